@@ -1,0 +1,172 @@
+"""NodeAgent: the per-node process between the node's workers and the controller.
+
+It serves ``NodeAgent.Report`` on 127.0.0.1 for the workers of its node (the local
+channel), forwards their events through one ``Uplink`` stream, and routes controller
+commands to the addressed rank: a command waits in that rank's mailbox until the rank's
+next report collects it. Commands for another attempt than the reporting worker's are
+stale and dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from agent.host import host_metrics
+from agent.uplink import Uplink
+from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+
+log = logging.getLogger(__name__)
+
+#: A rank that has not reported for this long no longer counts as alive.
+WORKER_STALE_S = 5.0
+
+
+class _Mailboxes:
+    """Commands per (job, rank), collected by the rank's next report."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._boxes: dict[tuple[str, int], list[events_pb2.Command]] = collections.defaultdict(list)
+        self._last_seen: dict[tuple[str, int], tuple[int, float]] = {}
+
+    def post(self, cmd: events_pb2.Command) -> None:
+        with self._lock:
+            if cmd.rank >= 0:
+                self._boxes[(cmd.job_id, cmd.rank)].append(cmd)
+                return
+            # rank -1: every rank of this node that belongs to the command's job
+            for job_id, rank in self._last_seen:
+                if job_id == cmd.job_id:
+                    self._boxes[(job_id, rank)].append(cmd)
+
+    def collect(self, job_id: str, attempt: int, rank: int) -> list[events_pb2.Command]:
+        with self._lock:
+            self._last_seen[(job_id, rank)] = (attempt, time.monotonic())
+            cmds = self._boxes.pop((job_id, rank), [])
+        return [c for c in cmds if c.attempt in (0, attempt)]
+
+    def alive(self) -> int:
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for _, seen in self._last_seen.values() if now - seen < WORKER_STALE_S)
+
+
+class _NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
+    def __init__(self, uplink: Uplink, mailboxes: _Mailboxes) -> None:
+        self._uplink = uplink
+        self._mailboxes = mailboxes
+
+    def Report(self, request: agent_pb2.WorkerReport, context: grpc.ServicerContext) -> agent_pb2.WorkerReply:
+        if request.events:
+            try:
+                self._uplink.submit(list(request.events), timeout_s=5.0)
+            except TimeoutError as exc:
+                # the worker keeps its events and retries: backpressure, not loss
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        cmds = self._mailboxes.collect(request.job_id, request.attempt, request.rank)
+        return agent_pb2.WorkerReply(commands=cmds)
+
+
+class NodeAgent:
+    """One node's agent. Use as a context manager, or call ``start``/``close``."""
+
+    def __init__(
+        self,
+        *,
+        node_name: str,
+        controller_address: str,
+        token: str,
+        ray_node_id: str = "",
+        bind_host: str = "127.0.0.1",
+        batch_max_events: int = 2000,
+        batch_interval_s: float = 0.2,
+        heartbeat_interval_s: float = 1.0,
+    ) -> None:
+        self.node_name = node_name
+        self.agent_id = f"agent-{node_name}"
+        self._bind_host = bind_host
+        self._mailboxes = _Mailboxes()
+        self._server: grpc.Server | None = None
+        self.local_address = ""
+        self._hello = agent_pb2.Hello(
+            agent_id=self.agent_id,
+            node_name=node_name,
+            ray_node_id=ray_node_id,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            token=token,
+            epoch=time.time_ns(),
+        )
+        self._uplink = Uplink(
+            controller_address=controller_address,
+            token=token,
+            hello=self._hello,
+            on_command=self._mailboxes.post,
+            heartbeat=self._heartbeat,
+            batch_max_events=batch_max_events,
+            batch_interval_s=batch_interval_s,
+            heartbeat_interval_s=heartbeat_interval_s,
+        )
+
+    def start(self, connect_timeout_s: float = 30.0) -> str:
+        """Serve the local channel, connect to the controller; return the local address."""
+        self._executor = futures.ThreadPoolExecutor(
+            max_workers=16, thread_name_prefix=f"fleet-agent-{self.node_name}"
+        )
+        self._server = grpc.server(
+            self._executor,
+            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
+        )
+        agent_pb2_grpc.add_NodeAgentServicer_to_server(
+            _NodeAgentServicer(self._uplink, self._mailboxes), self._server
+        )
+        port = self._server.add_insecure_port(f"{self._bind_host}:0")
+        self._server.start()
+        self.local_address = f"{self._bind_host}:{port}"
+        self._hello.local_address = self.local_address
+        self._uplink.start()
+        if not self._uplink.wait_welcomed(connect_timeout_s):
+            self.close()
+            raise TimeoutError(f"{self.agent_id}: controller did not accept the connection")
+        return self.local_address
+
+    def _heartbeat(self) -> agent_pb2.Heartbeat:
+        return agent_pb2.Heartbeat(
+            agent_id=self.agent_id,
+            time_ns=time.time_ns(),
+            host=host_metrics(self._mailboxes.alive()),
+        )
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every event received so far is committed by the controller."""
+        return self._uplink.flush(timeout_s)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "backlog": self._uplink.backlog,
+            "acked_events": self._uplink.acked_events,
+            "reconnects": self._uplink.reconnects,
+        }
+
+    def close(self) -> None:
+        """Stop serving workers, flush what is buffered (bounded), close the stream."""
+        if self._server is not None:
+            self._server.stop(grace=1.0).wait(timeout=5)
+            self._server = None
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._uplink.close()
+
+    def __enter__(self) -> NodeAgent:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

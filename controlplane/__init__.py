@@ -1,0 +1,1 @@
+"""The fleet controller: config, gRPC servers, store, detection, orchestration and CLI."""

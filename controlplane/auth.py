@@ -1,0 +1,79 @@
+"""Per-run secrets and the controller address file.
+
+``fleet up`` generates a random token, writes it to ``<state_dir>/token`` with mode
+0600, and hands it to its agents; every gRPC call carries it as ``x-fleet-token``
+metadata. ``<state_dir>/controller.json`` (also 0600) tells other CLI commands where the
+running controller listens and which job it runs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from controlplane.errors import UnavailableError
+
+TOKEN_METADATA_KEY = "x-fleet-token"
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def tokens_equal(given: str | None, expected: str) -> bool:
+    """Constant-time comparison."""
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class ControllerInfo:
+    """Where a running controller listens, for the other CLI commands."""
+
+    address: str
+    token: str
+    job_id: str
+    pid: int
+
+
+def write_controller_info(state_dir: Path, info: ControllerInfo) -> Path:
+    path = state_dir / "controller.json"
+    _write_private(state_dir / "token", info.token + "\n")
+    _write_private(path, json.dumps(asdict(info)))
+    return path
+
+
+def read_controller_info(state_dir: Path) -> ControllerInfo:
+    """The running controller's info; UnavailableError when none is running here."""
+    path = state_dir / "controller.json"
+    try:
+        data = json.loads(path.read_text())
+        return ControllerInfo(**data)
+    except FileNotFoundError:
+        raise UnavailableError(
+            f"no running controller found ({path} does not exist); is `fleet up` running here?"
+        ) from None
+    except (ValueError, TypeError) as exc:
+        raise UnavailableError(f"{path}: unreadable controller info ({exc})") from None
+
+
+def remove_controller_info(state_dir: Path, pid: int) -> None:
+    """Remove the info file if it still belongs to controller ``pid``."""
+    path = state_dir / "controller.json"
+    try:
+        if json.loads(path.read_text()).get("pid") == pid:
+            path.unlink()
+    except (OSError, ValueError):
+        pass

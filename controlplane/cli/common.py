@@ -1,0 +1,37 @@
+"""Options and helpers shared by the CLI modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
+from controlplane.store import Store
+
+DEFAULT_STORE_URL = "sqlite:///.fleet/fleet.db"
+
+StoreOpt = Annotated[
+    str | None,
+    typer.Option("--store", help="SQLAlchemy URL of the store [default: the --cluster file's store.url]"),
+]
+ClusterOpt = Annotated[
+    Path | None,
+    typer.Option("--cluster", "-c", help="cluster.yaml whose store to read [default: examples/local.yaml]"),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+StateDirOpt = Annotated[
+    Path, typer.Option("--state-dir", help="Folder holding the running controller's controller.json.")
+]
+
+
+def open_store(store: str | None, cluster: Path | None) -> Store:
+    """The store named by --store, else by the cluster file's store.url."""
+    if store:
+        return Store(store)
+    if cluster is not None:
+        return Store(load_cluster_config(cluster).store.url)
+    if DEFAULT_CLUSTER_FILE.exists():
+        return Store(load_cluster_config(DEFAULT_CLUSTER_FILE).store.url)
+    return Store(DEFAULT_STORE_URL)

@@ -1,0 +1,53 @@
+"""Entry point of the `fleet` command: wires the noun modules and owns error handling.
+
+Only this function catches broadly: a ``FleetError`` prints one line and exits with its
+code; ``--traceback`` shows the full traceback instead. Usage errors are typer's own
+(exit code 2 with the usage line).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import typer
+
+from controlplane.cli import faults, jobs, replay, up
+from controlplane.cli.render import err_console
+from controlplane.errors import FleetError
+
+app = typer.Typer(
+    name="fleet",
+    help="fleet: cluster-reliability control plane for large PyTorch training. "
+    "Add --traceback to any command to see the full traceback of an error.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("up")(up.up)
+app.command("jobs")(jobs.jobs)
+app.command("replay")(replay.replay)
+app.command("inject-fault")(faults.inject_fault)
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns (and exits with) the process exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    show_traceback = "--traceback" in args
+    args = [a for a in args if a != "--traceback"]
+    code = 0
+    try:
+        app(args=args, prog_name="fleet", standalone_mode=True)
+    except SystemExit as exc:  # typer ends every command, usage errors included, this way
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except FleetError as exc:
+        if show_traceback:
+            traceback.print_exc()
+        err_console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        code = exc.exit_code
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

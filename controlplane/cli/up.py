@@ -1,0 +1,139 @@
+"""`fleet up`: bring up Ray, the controller and the agents; run the job to its end."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from controlplane.cli.render import console, err_console, print_json
+from controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
+from controlplane.controller import Controller, Progress as JobProgress
+from controlplane.errors import FleetError, Interrupted, JobFailedError
+from controlplane.lifecycle import JobState
+from controlplane.store import Store
+
+
+def _setup_logging(state_dir: Path, verbose: bool) -> Path:
+    """Full logs go to <state_dir>/logs/controller.log; warnings also to the terminal."""
+    log_dir = state_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / "controller.log"
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    file_handler = logging.FileHandler(path)
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s"))
+    term = RichHandler(console=err_console, show_path=False, level=logging.INFO if verbose else logging.WARNING)
+    root.handlers[:] = [file_handler, term]
+    return path
+
+
+def up(
+    cluster: Annotated[
+        Path, typer.Option("--cluster", "-c", help="cluster.yaml to run [default: examples/local.yaml].")
+    ] = DEFAULT_CLUSTER_FILE,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show controller logs.")] = False,
+) -> None:
+    """Run the job described in a cluster.yaml until it succeeds, fails for good, or is stopped."""
+    config = load_cluster_config(cluster)
+    state_dir = Path(config.state_dir)
+    log_path = _setup_logging(state_dir, verbose)
+    t0 = time.monotonic()
+    with Store(config.store.url) as store:
+        bar = Progress(
+            TextColumn("[bold]{task.fields[job]}[/]"),
+            TextColumn("{task.fields[state]:<10}"),
+            TextColumn("attempt {task.fields[attempt]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[msg]}"),
+            console=err_console,
+            transient=json_out,
+            disable=json_out,
+        )
+        task = bar.add_task("job", total=config.job.steps, job="(new job)", state="PENDING", attempt=0, msg="")
+
+        def show(p: JobProgress) -> None:
+            bar.update(task, completed=p.step, job=p.job_id, state=p.state, attempt=p.attempt, msg=p.message)
+
+        controller = Controller(config, store, config_json=config.model_dump_json(), on_progress=show)
+        try:
+            with _stdout_to_stderr(), bar:
+                result = controller.run()
+        except KeyboardInterrupt:
+            raise Interrupted(
+                f"interrupted; job {controller.job_id} stopped and everything it started torn down"
+            ) from None
+        summary = {
+            "job_id": result.job_id,
+            "state": result.state.value,
+            "attempts": result.attempts,
+            "final_step": result.final_step,
+            "total_steps": config.job.steps,
+            "reason": result.reason,
+            "wall_s": round(time.monotonic() - t0, 3),
+            "timings_s": {k: round(v, 3) for k, v in result.timings_s.items()},
+            "phases_s": _worker_phases(store, result.job_id),
+            "log": str(log_path),
+        }
+    if json_out:
+        print_json(summary)
+    else:
+        colour = "green" if result.state is JobState.SUCCEEDED else "red"
+        console.print(
+            f"job [bold]{result.job_id}[/] [{colour}]{result.state.value}[/]: {result.reason}; "
+            f"{result.attempts} attempt(s), step {result.final_step}/{config.job.steps}, "
+            f"{summary['wall_s']:.1f} s"
+        )
+        console.print(f"inspect: fleet replay {result.job_id}    logs: {log_path}")
+    if result.state is JobState.FAILED:
+        raise JobFailedError(f"job {result.job_id} failed: {result.reason}")
+    if result.state is JobState.STOPPED:
+        raise FleetError(f"job {result.job_id} stopped: {result.reason}")
+
+
+def _worker_phases(store: Store, job_id: str) -> dict[str, float]:
+    """Slowest rank's process-group init and restore time, and training time, of attempt 1."""
+    phases: dict[str, float] = {}
+    statuses = store.worker_status(job_id, attempt=1)
+    for state, key in (("PG_READY", "pg_init_s"), ("RESTORED", "restore_s")):
+        vals = [s.phase_s for s in statuses if s.state == state and s.phase_s is not None]
+        if vals:
+            phases[key] = round(max(vals), 3)
+    steps = store.steps(job_id, attempt=1, rank=0)
+    if steps:
+        phases["train_steps_s"] = round(sum(s.step_time_s for s in steps), 3)
+        first = [s for s in statuses if s.state == "TRAINING"]
+        done = [s for s in statuses if s.state == "FINISHED"]
+        if first and done:
+            phases["training_wall_s"] = round((max(d.time_ns for d in done) - min(f.time_ns for f in first)) / 1e9, 3)
+    return phases
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to fd 1 to stderr for a while.
+
+    Ray's driver prints cluster messages (e.g. "A worker died ...") to stdout; while the
+    job runs, stdout must stay clean so that `fleet up --json` prints only its JSON.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

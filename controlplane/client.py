@@ -1,0 +1,86 @@
+"""Client SDK for a running controller's ControlService (what the CLI and tests call).
+
+Finds the controller through ``<state_dir>/controller.json`` unless given an address
+and token; gRPC errors become ``FleetError``s with the server's message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+from controlplane import auth
+from controlplane.errors import (
+    AuthError,
+    ConfigError,
+    FleetError,
+    NotFoundError,
+    StateError,
+    UnavailableError,
+)
+from fleet_proto import control_pb2, control_pb2_grpc, events_pb2
+
+_CODES: dict[grpc.StatusCode, type[FleetError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: ConfigError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: StateError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: UnavailableError,
+}
+
+
+class ControlClient:
+    """A connection to one controller; a context manager."""
+
+    def __init__(self, address: str, token: str, timeout_s: float = 10.0) -> None:
+        self.address = address
+        self._metadata = ((auth.TOKEN_METADATA_KEY, token),)
+        self._timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address)
+        self._stub = control_pb2_grpc.ControlServiceStub(self._channel)
+
+    @classmethod
+    def from_state_dir(cls, state_dir: str | Path, address: str | None = None) -> ControlClient:
+        info = auth.read_controller_info(Path(state_dir))
+        return cls(address or info.address, info.token)
+
+    def _call(self, method, request):  # noqa: ANN001
+        try:
+            return method(request, metadata=self._metadata, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            err = _CODES.get(exc.code(), FleetError)
+            detail = exc.details() or exc.code().name
+            # a transport failure (no controller there) reads differently from a refusal
+            # that the controller itself answered with UNAVAILABLE
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED or "connect" in detail.lower():
+                detail = f"controller at {self.address} is not reachable ({detail})"
+            raise err(detail) from None
+
+    def list_jobs(self) -> list[control_pb2.JobSummary]:
+        return list(self._call(self._stub.ListJobs, control_pb2.ListJobsRequest()).jobs)
+
+    def job_status(self, job_id: str = "") -> control_pb2.JobStatus:
+        return self._call(self._stub.GetJob, control_pb2.GetJobRequest(job_id=job_id))
+
+    def inject_fault(
+        self, job_id: str, kind: str, *, rank: int = -1, node: str = "", at_step: int = 0
+    ) -> control_pb2.InjectFaultReply:
+        req = control_pb2.InjectFaultRequest(
+            job_id=job_id, rank=rank, node=node,
+            fault=events_pb2.FaultSpec(kind=kind, at_step=at_step),
+        )
+        return self._call(self._stub.InjectFault, req)
+
+    def stop_job(self, job_id: str, reason: str = "") -> str:
+        return self._call(self._stub.StopJob, control_pb2.StopJobRequest(job_id=job_id, reason=reason)).state
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

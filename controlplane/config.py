@@ -1,0 +1,255 @@
+"""cluster.yaml: the typed, validated description of a fleet deployment and its job.
+
+The file is parsed once, here, into a tree of pydantic models; nothing below the CLI
+reads raw dicts or ``os.environ``. Every field documents itself (the README's reference
+is checked against this schema by a test). A bad file raises ``ConfigError`` naming the
+file, the dotted key and, where YAML tells us, the line.
+
+Ordering rules checked at construction:
+heartbeat_interval_s < heartbeat_timeout_s < job.pg_timeout_s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from controlplane.errors import ConfigError
+from workers.spec import PRESETS, ModelArgs, TrainArgs
+
+#: The embedded default, used when ``fleet up`` is given no ``--cluster``.
+DEFAULT_CLUSTER_FILE = Path(__file__).resolve().parent.parent / "examples" / "local.yaml"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class RayConfig(_Section):
+    """Where the Ray cluster comes from."""
+
+    address: str | None = Field(
+        None,
+        description="Address of an existing Ray cluster to attach to (e.g. 127.0.0.1:6379). "
+        "Unset: start a local cluster of `nodes` simulated nodes on 127.0.0.1.",
+    )
+    nodes: int = Field(2, ge=1, le=16, description="Local mode: simulated nodes (one raylet each).")
+    cpus_per_node: int = Field(
+        4, ge=1, le=256, description="Local mode: logical CPUs each simulated node offers Ray."
+    )
+    object_store_mb: int = Field(
+        128, ge=64, le=65536, description="Local mode: object store size per node, MiB."
+    )
+
+
+class ControllerConfig(_Section):
+    """The controller's gRPC endpoint and liveness timing."""
+
+    host: str = Field("127.0.0.1", description="Address the controller's gRPC servers bind to.")
+    port: int = Field(0, ge=0, le=65535, description="Port for the controller (0 = any free port).")
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, le=600, description="Seconds between agent heartbeats."
+    )
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="An agent silent this long is considered lost."
+    )
+    agent_start_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="Seconds to wait for every node agent to connect."
+    )
+
+
+class StoreConfig(_Section):
+    """The SQL store (SQLAlchemy URL)."""
+
+    url: str = Field(
+        "sqlite:///.fleet/fleet.db",
+        description="SQLAlchemy URL. Relative SQLite paths are relative to the working directory.",
+    )
+
+
+class AgentConfig(_Section):
+    """Batching on the agent -> controller stream and the worker -> agent channel."""
+
+    batch_max_events: int = Field(
+        2000, ge=1, le=1_000_000, description="Most events in one batch to the controller."
+    )
+    batch_interval_s: float = Field(
+        0.2, gt=0, le=60, description="Longest an event waits on the agent before being sent."
+    )
+    report_interval_s: float = Field(
+        0.1, gt=0, le=10, description="Seconds between a worker's reports to its node agent."
+    )
+
+
+class ModelConfig(_Section):
+    """The model: a named preset, optionally with fields overridden."""
+
+    preset: Literal["tiny", "small"] = Field("tiny", description="Model shape preset.")
+    dim: int | None = Field(None, ge=8, description="Override: model width.")
+    n_layers: int | None = Field(None, ge=1, description="Override: decoder blocks.")
+    n_heads: int | None = Field(None, ge=1, description="Override: attention heads.")
+    n_kv_heads: int | None = Field(None, ge=1, description="Override: key/value heads (GQA).")
+    vocab_size: int | None = Field(None, ge=8, description="Override: vocabulary size.")
+
+    def args(self) -> ModelArgs:
+        """The ModelArgs this section describes."""
+        base = PRESETS[self.preset]
+        overrides = {k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None}
+        fields = {**base.__dict__, **overrides}
+        return ModelArgs(**fields)
+
+    @model_validator(mode="after")
+    def _valid_shape(self) -> ModelConfig:
+        try:
+            self.args()
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
+class JobConfig(_Section):
+    """The training job: placement, recipe, checkpoints and restarts."""
+
+    nodes: int = Field(2, ge=1, le=100_000, description="Nodes the worker group spans.")
+    ranks_per_node: int = Field(2, ge=1, le=64, description="Worker processes (ranks) per node.")
+    steps: int = Field(300, ge=1, le=10**9, description="Training steps to complete.")
+    batch_size: int = Field(4, ge=1, le=1_000_000, description="Sequences per rank per step.")
+    seq_len: int = Field(64, ge=2, le=1_048_576, description="Tokens per sequence.")
+    lr: float = Field(3e-3, gt=0, le=10, description="AdamW learning rate.")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of model init and the synthetic data stream.")
+    checkpoint_interval: int = Field(
+        50, ge=0, description="Steps between checkpoints (0 = only at the end)."
+    )
+    keep_checkpoints: int = Field(3, ge=1, description="Newest valid checkpoints kept on disk.")
+    checkpoint_dir: str = Field(
+        ".fleet/checkpoints", description="Checkpoint root; each job writes to <dir>/<job-id>/."
+    )
+    pg_timeout_s: float = Field(
+        60.0, gt=0, le=86400, description="torch.distributed process-group timeout, seconds."
+    )
+    max_restarts: int = Field(3, ge=0, le=1000, description="Attempts after the first before giving up.")
+    restart_backoff_s: float = Field(1.0, ge=0, le=3600, description="Pause before each new attempt.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def train_args(self) -> TrainArgs:
+        """The TrainArgs this section describes."""
+        return TrainArgs(
+            steps=self.steps,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            lr=self.lr,
+            seed=self.seed,
+            checkpoint_interval=self.checkpoint_interval,
+            keep_checkpoints=self.keep_checkpoints,
+        )
+
+    @model_validator(mode="after")
+    def _seq_fits(self) -> JobConfig:
+        if self.seq_len > self.model.args().max_seq_len:
+            raise ValueError(
+                f"seq_len ({self.seq_len}) exceeds the model's max_seq_len "
+                f"({self.model.args().max_seq_len})"
+            )
+        return self
+
+
+class ClusterConfig(_Section):
+    """Top level of cluster.yaml."""
+
+    name: str = Field("fleet-job", min_length=1, max_length=128, description="Job name.")
+    state_dir: str = Field(
+        ".fleet", description="Folder for the token, controller address file and logs."
+    )
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster.")
+    controller: ControllerConfig = Field(default_factory=ControllerConfig, description="Controller.")
+    store: StoreConfig = Field(default_factory=StoreConfig, description="SQL store.")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="Node agents.")
+    job: JobConfig = Field(default_factory=JobConfig, description="The training job.")
+
+    @model_validator(mode="after")
+    def _ordering(self) -> ClusterConfig:
+        c = self.controller
+        if not c.heartbeat_interval_s < c.heartbeat_timeout_s:
+            raise ValueError(
+                "controller.heartbeat_interval_s must be < controller.heartbeat_timeout_s"
+            )
+        if not c.heartbeat_timeout_s < self.job.pg_timeout_s:
+            raise ValueError("controller.heartbeat_timeout_s must be < job.pg_timeout_s")
+        if self.ray.address is None and self.job.nodes > self.ray.nodes:
+            raise ValueError(
+                f"job.nodes ({self.job.nodes}) exceeds the local cluster's ray.nodes "
+                f"({self.ray.nodes})"
+            )
+        return self
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """1-based line of the YAML node at ``loc`` (or of its nearest existing parent)."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next((v for k, v in node.value if getattr(k, "value", None) == key), None)
+            if match is None:
+                # an unknown key: point at the key itself when it exists
+                keyed = next((k for k, _ in node.value if getattr(k, "value", None) == key), None)
+                return keyed.start_mark.line + 1 if keyed is not None else line
+            node = match
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+        else:
+            break
+        line = node.start_mark.line + 1
+    return line
+
+
+def parse_cluster_yaml(text: str, source: str = "<string>") -> ClusterConfig:
+    """Parse and validate cluster.yaml text; ``source`` names the file in errors."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{source}{where}: not valid YAML: {problem}") from None
+    except ValueError as exc:  # e.g. an impossible date, which PyYAML turns into a datetime
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, not {type(data).__name__}")
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        key = ".".join(str(p) for p in loc)
+        line = _line_of(root, loc) if loc else None
+        where = f":{line}" if line else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        more = f" (and {len(exc.errors()) - 1} more problem(s))" if len(exc.errors()) > 1 else ""
+        prefix = f"{source}{where}: {key}: " if key else f"{source}: "
+        raise ConfigError(f"{prefix}{msg}{more}") from None
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    """Read, parse and validate a cluster.yaml file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    return parse_cluster_yaml(text, source=str(path))

@@ -1,0 +1,89 @@
+"""ControlService: what operators and the CLI ask of a running controller.
+
+Thin: validates the token and the request, calls the controller's ``JobControl``
+methods, and turns ``FleetError``s into gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import grpc
+
+from controlplane.auth import TOKEN_METADATA_KEY, tokens_equal
+from controlplane.errors import FleetError
+from fleet_proto import control_pb2, control_pb2_grpc, events_pb2
+
+log = logging.getLogger(__name__)
+
+#: Fault kinds the controller accepts today (later issues add hang, slow, nan, ...).
+FAULT_KINDS = frozenset({"crash"})
+
+
+class JobControl(Protocol):
+    """The controller operations ControlService exposes."""
+
+    def list_jobs(self) -> list[control_pb2.JobSummary]: ...
+
+    def job_status(self, job_id: str) -> control_pb2.JobStatus: ...
+
+    def inject_fault(
+        self, job_id: str, rank: int, node: str, fault: events_pb2.FaultSpec
+    ) -> control_pb2.InjectFaultReply: ...
+
+    def stop_job(self, job_id: str, reason: str) -> str: ...
+
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def _guarded(method: Callable[..., Resp]) -> Callable[..., Resp]:
+    @functools.wraps(method)
+    def wrapper(self: ControlServicer, request: Req, context: grpc.ServicerContext) -> Resp:
+        metadata = dict(context.invocation_metadata())
+        if not tokens_equal(metadata.get(TOKEN_METADATA_KEY), self._token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-fleet-token")
+        try:
+            return method(self, request, context)
+        except FleetError as exc:
+            context.abort(exc.grpc_code, str(exc))
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+class ControlServicer(control_pb2_grpc.ControlServiceServicer):
+    def __init__(self, control: JobControl, token: str) -> None:
+        self._control = control
+        self._token = token
+
+    @_guarded
+    def ListJobs(self, request: control_pb2.ListJobsRequest, context: grpc.ServicerContext) -> control_pb2.ListJobsReply:
+        return control_pb2.ListJobsReply(jobs=self._control.list_jobs())
+
+    @_guarded
+    def GetJob(self, request: control_pb2.GetJobRequest, context: grpc.ServicerContext) -> control_pb2.JobStatus:
+        return self._control.job_status(request.job_id)
+
+    @_guarded
+    def InjectFault(
+        self, request: control_pb2.InjectFaultRequest, context: grpc.ServicerContext
+    ) -> control_pb2.InjectFaultReply:
+        if request.fault.kind not in FAULT_KINDS:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown fault kind {request.fault.kind!r}; known: {', '.join(sorted(FAULT_KINDS))}",
+            )
+        if request.rank < 0 and not request.node:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a rank (>= 0) or a node")
+        if request.fault.at_step < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "at_step must be >= 0")
+        return self._control.inject_fault(request.job_id, request.rank, request.node, request.fault)
+
+    @_guarded
+    def StopJob(self, request: control_pb2.StopJobRequest, context: grpc.ServicerContext) -> control_pb2.StopJobReply:
+        return control_pb2.StopJobReply(state=self._control.stop_job(request.job_id, request.reason))

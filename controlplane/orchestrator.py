@@ -1,0 +1,245 @@
+"""Ray placement: the cluster, one agent per node, and one worker actor per rank.
+
+Local mode starts a multi-raylet Ray cluster entirely on 127.0.0.1 (one raylet per
+simulated node, each with a ``fleet-node-<i>`` custom resource); attach mode joins an
+existing cluster at ``ray.address``. Agents and workers are pinned to their node with
+hard node-affinity. This is the only module of the controller that imports Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from controlplane.config import AgentConfig, ControllerConfig, RayConfig
+from controlplane.errors import UnavailableError
+
+# Ray resolves its node address to loopback only with this set (read at import time).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+from agent.ray_actor import AgentActor  # noqa: E402
+from workers.ray_actor import WorkerActor  # noqa: E402
+from workers.spec import WorkerSpec  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+NODE_RESOURCE_PREFIX = "fleet-node-"
+_NODE_RESOURCE = re.compile(rf"^{NODE_RESOURCE_PREFIX}(\d+)$")
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A Ray node as fleet names it."""
+
+    name: str
+    ray_node_id: str
+    address: str
+    cpus: float
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank's run ended badly, as Ray reported it."""
+
+    rank: int
+    node: str
+    actor_died: bool      # the process is gone (exit, kill, OOM), not a Python exception
+    error: str
+
+
+class RayRuntime:
+    """Starts or attaches to Ray; lists nodes; shuts down only what it started."""
+
+    def __init__(self, config: RayConfig) -> None:
+        self._config = config
+        self._cluster: Any = None
+
+    def start(self) -> None:
+        if ray.is_initialized():
+            raise UnavailableError("Ray is already initialised in this process")
+        common = dict(log_to_driver=False, include_dashboard=False, configure_logging=False)
+        if self._config.address:
+            try:
+                ray.init(address=self._config.address, **common)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise UnavailableError(f"ray.address {self._config.address}: cannot connect ({exc})") from None
+            return
+        from ray.cluster_utils import Cluster
+
+        mem = self._config.object_store_mb * 1024 * 1024
+        self._cluster = Cluster(
+            initialize_head=True,
+            head_node_args=dict(
+                num_cpus=self._config.cpus_per_node,
+                node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                object_store_memory=mem,
+                resources={f"{NODE_RESOURCE_PREFIX}0": 1},
+            ),
+        )
+        for i in range(1, self._config.nodes):
+            self._cluster.add_node(
+                num_cpus=self._config.cpus_per_node,
+                node_ip_address="127.0.0.1",
+                object_store_memory=mem,
+                resources={f"{NODE_RESOURCE_PREFIX}{i}": 1},
+            )
+        ray.init(address=self._cluster.address, **{k: v for k, v in common.items() if k != "include_dashboard"})
+        self._cluster.wait_for_nodes(timeout=60)
+
+    def nodes(self) -> list[NodeInfo]:
+        """Alive nodes, ordered by name."""
+        out = []
+        for n in ray.nodes():
+            if not n.get("Alive"):
+                continue
+            res = n.get("Resources", {})
+            index = next((m.group(1) for k in res if (m := _NODE_RESOURCE.match(k))), None)
+            name = f"node-{index}" if index is not None else f"{n['NodeManagerAddress']}-{n['NodeID'][:8]}"
+            out.append(NodeInfo(name, n["NodeID"], n["NodeManagerAddress"], float(res.get("CPU", 0))))
+        return sorted(out, key=lambda x: (len(x.name), x.name))
+
+    def shutdown(self) -> None:
+        if ray.is_initialized():
+            ray.shutdown()
+        if self._cluster is not None:
+            self._cluster.shutdown()
+            self._cluster = None
+
+
+def _pinned(node: NodeInfo) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node_id=node.ray_node_id, soft=False)
+
+
+class AgentSet:
+    """One NodeAgent actor per node."""
+
+    def __init__(self) -> None:
+        self.actors: dict[str, Any] = {}
+        self.local_addresses: dict[str, str] = {}
+
+    def start(
+        self,
+        nodes: list[NodeInfo],
+        controller_address: str,
+        token: str,
+        agent: AgentConfig,
+        controller: ControllerConfig,
+    ) -> None:
+        remote_cls = ray.remote(num_cpus=0, max_restarts=0)(AgentActor)
+        for node in nodes:
+            self.actors[node.name] = remote_cls.options(
+                scheduling_strategy=_pinned(node), name=None
+            ).remote(
+                node_name=node.name,
+                controller_address=controller_address,
+                token=token,
+                ray_node_id=node.ray_node_id,
+                batch_max_events=agent.batch_max_events,
+                batch_interval_s=agent.batch_interval_s,
+                heartbeat_interval_s=controller.heartbeat_interval_s,
+            )
+        refs = {name: a.start.remote(controller.agent_start_timeout_s) for name, a in self.actors.items()}
+        try:
+            addresses = ray.get(list(refs.values()), timeout=controller.agent_start_timeout_s + 30)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
+            raise UnavailableError(f"node agents did not start: {exc}") from None
+        self.local_addresses = dict(zip(refs, addresses, strict=True))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every agent has its received events committed by the controller."""
+        refs = [a.flush.remote(timeout_s) for a in self.actors.values()]
+        try:
+            return all(ray.get(refs, timeout=timeout_s + 5))
+        except ray.exceptions.RayError:
+            return False
+
+    def close(self, timeout_s: float = 15.0) -> None:
+        refs = [a.close.remote() for a in self.actors.values()]
+        try:
+            ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.RayError as exc:
+            log.warning("agents did not close cleanly: %s", exc)
+        for a in self.actors.values():
+            ray.kill(a, no_restart=True)
+        self.actors.clear()
+
+
+class WorkerGroup:
+    """The worker actors of one attempt: placed, run, polled, killed."""
+
+    def __init__(self, placement: list[NodeInfo]) -> None:
+        """``placement[r]`` is the node of rank r."""
+        self.placement = placement
+        remote_cls = ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(WorkerActor)
+        self.actors = [remote_cls.options(scheduling_strategy=_pinned(n)).remote() for n in placement]
+        self._refs: dict[Any, int] = {}
+        self.results: dict[int, dict[str, Any]] = {}
+
+    def pids(self, timeout_s: float) -> list[int]:
+        return ray.get([a.pid.remote() for a in self.actors], timeout=timeout_s)
+
+    def rendezvous_port(self, host: str, timeout_s: float) -> int:
+        """Rank 0 opens the process group's TCPStore socket on host; returns its port."""
+        return ray.get(self.actors[0].free_port.remote(host), timeout=timeout_s)
+
+    def run(self, specs: list[WorkerSpec]) -> None:
+        self._refs = {a.run.remote(s): s.rank for a, s in zip(self.actors, specs, strict=True)}
+
+    def poll(self, timeout_s: float) -> list[RankFailure]:
+        """Wait up to timeout_s for ranks to finish; return the failures seen."""
+        pending = [r for r in self._refs if self._refs[r] not in self.results]
+        if not pending:
+            return []
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        failures = []
+        for ref in done:
+            rank = self._refs[ref]
+            try:
+                self.results[rank] = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                failures.append(RankFailure(rank, self.placement[rank].name, True, _one_line(exc)))
+                self.results[rank] = {"error": str(exc)}
+            except ray.exceptions.RayError as exc:
+                failures.append(RankFailure(rank, self.placement[rank].name, False, _one_line(exc)))
+                self.results[rank] = {"error": str(exc)}
+        return failures
+
+    @property
+    def finished(self) -> bool:
+        return len(self.results) == len(self.actors)
+
+    def kill(self) -> None:
+        """Kill every rank; a rank stuck in a gloo collective never exits by itself."""
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        deadline = time.monotonic() + 10
+        for ref in list(self._refs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                ray.get(ref, timeout=left)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                pass
+
+
+def _one_line(exc: BaseException) -> str:
+    """A short, single-line account of a Ray error, for incident evidence."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, ray.exceptions.RayActorError):
+        # Ray's text is a paragraph; keep the exit type and the first sentence of the detail
+        m = re.search(r"Worker exit type: (\w+) Worker exit detail: ([^.]*\.)", text)
+        if m:
+            return f"process died ({m.group(1)}: {m.group(2)})"
+        return "process died"
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    # the last line of a remote traceback is the exception itself
+    return (lines[-1].strip() if lines else type(exc).__name__)[:300]

@@ -1,0 +1,98 @@
+"""The replay report of a job from the store: per attempt, who ran where, what each
+rank's collectives looked like, and the step timeline.
+
+Reads only through the Store's domain methods and returns plain dicts, so the CLI can
+print them as tables or JSON. (The desync verdict over these traces is the diagnosis
+engine's job; this module only gathers.)
+"""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Any
+
+from controlplane.store import Store
+
+
+def replay_report(store: Store, job_id: str, attempt: int | None = None) -> dict[str, Any]:
+    """Everything `fleet replay` shows about one job (all attempts, or one)."""
+    job = store.get_job(job_id)
+    attempts = [a for a in store.get_attempts(job_id) if attempt is None or a.number == attempt]
+    summaries = store.collective_summary(job_id, attempt)
+    out_attempts = []
+    for a in attempts:
+        steps = store.steps(job_id, attempt=a.number)
+        out_attempts.append(
+            {
+                "attempt": a.number,
+                "state": a.state.value,
+                "restored_step": a.restored_step,
+                "final_step": a.final_step,
+                "reason": a.reason,
+                "ranks": [
+                    {"rank": r.rank, "node": r.node, "pid": r.pid} for r in store.ranks(job_id, a.number)
+                ],
+                "collectives": [
+                    {
+                        "rank": s.rank,
+                        "group": s.group,
+                        "count": s.count,
+                        "first_seq": s.first_seq,
+                        "last_seq": s.last_seq,
+                        "consecutive": s.consecutive,
+                        "completed": s.completed,
+                        "last_completed_seq": s.last_completed_seq,
+                        "ops": dict(s.ops),
+                        "mean_duration_ms": s.mean_duration_ms,
+                    }
+                    for s in summaries
+                    if s.attempt == a.number
+                ],
+                "steps": _step_timeline(steps),
+            }
+        )
+    return {
+        "job": {
+            "id": job.id,
+            "name": job.name,
+            "state": job.state.value,
+            "steps_completed": job.steps_completed,
+            "total_steps": job.total_steps,
+            "attempts": job.attempts,
+            "reason": job.reason,
+        },
+        "attempts": out_attempts,
+        "incidents": [
+            {"attempt": i.attempt, "kind": i.kind, "rank": i.rank, "node": i.node,
+             "detector": i.detector, "evidence": i.evidence, "detected_at": i.detected_at}
+            for i in store.incidents(job_id)
+            if attempt is None or i.attempt == attempt
+        ],
+        "checkpoints": [
+            {"step": c.step, "attempt": c.attempt, "path": c.path, "valid": c.valid}
+            for c in store.checkpoints(job_id)
+        ],
+    }
+
+
+def _step_timeline(steps: list) -> list[dict[str, Any]]:  # noqa: ANN001 (StepRecord)
+    """One row per step: the loss, the slowest and median rank step time, total tokens/s."""
+    by_step: dict[int, list] = {}
+    for s in steps:
+        by_step.setdefault(s.step, []).append(s)
+    rows = []
+    for step in sorted(by_step):
+        ranks = by_step[step]
+        times = [r.step_time_s for r in ranks]
+        rows.append(
+            {
+                "step": step,
+                "loss": ranks[0].loss,
+                "ranks": len(ranks),
+                "step_time_s_median": median(times),
+                "step_time_s_max": max(times),
+                "slowest_rank": max(ranks, key=lambda r: r.step_time_s).rank,
+                "tokens_per_s": sum(r.tokens_per_s for r in ranks),
+            }
+        )
+    return rows

@@ -1,0 +1,178 @@
+"""Frozen records that the Store returns to callers.
+
+These are plain values: no SQLAlchemy object or session ever leaves the store package.
+Times are float Unix seconds unless the field name ends in ``_ns`` (Unix nanoseconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from controlplane.lifecycle import AttemptState, JobState
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    name: str
+    state: JobState
+    total_steps: int
+    steps_completed: int  # max step recorded in any attempt, 0 if none
+    attempts: int  # number of attempts created
+    created_at: float
+    ended_at: float | None
+    reason: str
+    config_json: str
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    job_id: str
+    number: int  # 1-based
+    state: AttemptState
+    started_at: float
+    ended_at: float | None
+    restored_step: int | None  # checkpoint step restored (0 = fresh start), None if unknown
+    final_step: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class TransitionRecord:
+    job_id: str
+    attempt: int | None  # None for job transitions
+    entity: str  # "job" | "attempt"
+    from_state: str | None  # None for the creation row
+    to_state: str
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    name: str
+    ray_node_id: str
+    hostname: str
+    resources_json: str
+    state: str  # "healthy" | "quarantined"
+    quarantine_reason: str
+    quarantined_since: float | None
+    last_seen: float
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    job_id: str
+    attempt: int
+    rank: int
+    node: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    job_id: str
+    attempt: int
+    rank: int
+    group: str
+    group_size: int
+    seq: int
+    op: str
+    input_sizes: tuple[tuple[int, ...], ...]
+    input_dtypes: tuple[str, ...]
+    output_sizes: tuple[tuple[int, ...], ...]
+    output_dtypes: tuple[str, ...]
+    enter_ns: int
+    exit_ns: int | None  # None while not completed
+    state: str  # "started" | "completed" | "failed"
+    step: int
+
+
+@dataclass(frozen=True)
+class CollectiveSummary:
+    """Aggregate of one (attempt, rank, group) stream of collectives."""
+
+    attempt: int
+    rank: int
+    group: str
+    count: int
+    first_seq: int
+    last_seq: int
+    consecutive: bool  # count == last_seq - first_seq + 1 (no gap)
+    completed: int
+    last_completed_seq: int | None
+    ops: Mapping[str, int]  # op -> count
+    mean_duration_ms: float | None  # over completed ops; None if none completed
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    job_id: str
+    attempt: int
+    rank: int
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    end_ns: int
+
+
+@dataclass(frozen=True)
+class WorkerStatusRecord:
+    job_id: str
+    attempt: int
+    rank: int
+    state: str  # WorkerStatus.State name: "STARTING", "RESTORED", ...
+    time_ns: int
+    pid: int
+    hostname: str
+    restored_step: int
+    detail: str
+    phase_s: float
+
+
+@dataclass(frozen=True)
+class HealthRecord:
+    node: str
+    time_ns: int
+    cpu_percent: float
+    load1: float
+    mem_used_bytes: int
+    mem_total_bytes: int
+    workers_alive: int
+
+
+@dataclass(frozen=True)
+class IncidentRecord:
+    id: int
+    job_id: str
+    attempt: int
+    kind: str
+    rank: int | None
+    node: str | None
+    detector: str
+    evidence: str
+    detected_at: float
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    id: int
+    job_id: str
+    attempt: int
+    kind: str  # restart | quarantine | release | rollback | stop | inject_fault
+    cause: str
+    at: float
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    job_id: str
+    attempt: int
+    step: int
+    path: str
+    manifest_sha256: str
+    save_s: float
+    valid: bool
+    created_at: float

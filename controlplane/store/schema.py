@@ -1,0 +1,250 @@
+"""The store's tables: SQLAlchemy 2.x declarative models over one ``MetaData``.
+
+Metadata tables (jobs, attempts, transitions, nodes, ranks, incidents, actions) are used
+through the ORM. High-volume telemetry tables (collectives, steps, worker_status,
+health_samples) are written with Core bulk inserts of dicts, never ORM objects.
+
+Invariants:
+- Times are float Unix seconds (``*_at``, ``last_seen``) or int Unix nanoseconds (``*_ns``).
+- States are stored as the enum's string value (``JobState.RUNNING.value``) so a schema
+  migration never has to touch a native enum type.
+- Telemetry tables carry no foreign key to ``jobs``: ingest must never fail a whole
+  agent batch because one event names an unknown job.
+- ``metadata`` has a naming convention so Alembic autogenerate produces stable names.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments an ``INTEGER PRIMARY KEY``; elsewhere use 64 bits.
+BigId = BigInteger().with_variant(Integer, "sqlite")
+
+JOB_ID_LEN = 64
+NAME_LEN = 255
+STATE_LEN = 32
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+metadata = Base.metadata
+
+
+def _job_fk() -> ForeignKey:
+    return ForeignKey("jobs.id", ondelete="CASCADE")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(JOB_ID_LEN), primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_LEN))
+    state: Mapped[str] = mapped_column(String(STATE_LEN))
+    total_steps: Mapped[int] = mapped_column(BigInteger)
+    config_json: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float, index=True)
+    updated_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+
+class Attempt(Base):
+    __tablename__ = "attempts"
+    __table_args__ = (UniqueConstraint("job_id", "number"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN), _job_fk())
+    number: Mapped[int] = mapped_column(Integer)  # 1-based
+    state: Mapped[str] = mapped_column(String(STATE_LEN))
+    started_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    restored_step: Mapped[int | None] = mapped_column(BigInteger)
+    final_step: Mapped[int | None] = mapped_column(BigInteger)
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+
+class Transition(Base):
+    __tablename__ = "transitions"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN), _job_fk(), index=True)
+    attempt: Mapped[int | None] = mapped_column(Integer)
+    entity: Mapped[str] = mapped_column(String(16))  # "job" | "attempt"
+    from_state: Mapped[str | None] = mapped_column(String(STATE_LEN))  # None on creation
+    to_state: Mapped[str] = mapped_column(String(STATE_LEN))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    at: Mapped[float] = mapped_column(Float)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    ray_node_id: Mapped[str] = mapped_column(String(NAME_LEN))
+    hostname: Mapped[str] = mapped_column(String(NAME_LEN))
+    resources_json: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(STATE_LEN))  # "healthy" | "quarantined"
+    quarantine_reason: Mapped[str] = mapped_column(Text, default="")
+    quarantined_since: Mapped[float | None] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float)
+
+
+class Rank(Base):
+    __tablename__ = "ranks"
+    __table_args__ = (UniqueConstraint("job_id", "attempt", "rank"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN), _job_fk())
+    attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    node: Mapped[str] = mapped_column(String(NAME_LEN), index=True)
+    pid: Mapped[int] = mapped_column(Integer)
+
+
+class Collective(Base):
+    """One row per (job, attempt, rank, group, seq): "started" then updated on completion."""
+
+    __tablename__ = "collectives"
+    __table_args__ = (
+        # The primary key doubles as the (job, attempt, rank, group, seq) index.
+        Index(None, "job_id", "attempt", "group_name", "seq"),
+    )
+
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    group_name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    group_size: Mapped[int] = mapped_column(Integer)
+    op: Mapped[str] = mapped_column(String(64))
+    input_sizes: Mapped[str] = mapped_column(Text)  # JSON list of lists of ints
+    input_dtypes: Mapped[str] = mapped_column(Text)  # JSON list of strings
+    output_sizes: Mapped[str] = mapped_column(Text)
+    output_dtypes: Mapped[str] = mapped_column(Text)
+    enter_ns: Mapped[int] = mapped_column(BigInteger)
+    exit_ns: Mapped[int | None] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16))  # "started" | "completed" | "failed"
+    step: Mapped[int] = mapped_column(BigInteger)
+
+
+class Step(Base):
+    __tablename__ = "steps"
+    __table_args__ = (
+        Index(None, "job_id", "attempt", "step"),
+        Index(None, "job_id", "step"),  # last_step / steps_completed across attempts
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN))
+    attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
+    loss: Mapped[float] = mapped_column(Float)
+    step_time_s: Mapped[float] = mapped_column(Float)
+    tokens_per_s: Mapped[float] = mapped_column(Float)
+    end_ns: Mapped[int] = mapped_column(BigInteger)
+
+
+class WorkerStatusRow(Base):
+    __tablename__ = "worker_status"
+    __table_args__ = (Index(None, "job_id", "attempt", "rank"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN))
+    attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(STATE_LEN))  # WorkerStatus.State name
+    time_ns: Mapped[int] = mapped_column(BigInteger)
+    pid: Mapped[int] = mapped_column(Integer)
+    hostname: Mapped[str] = mapped_column(String(NAME_LEN))
+    restored_step: Mapped[int] = mapped_column(BigInteger)
+    detail: Mapped[str] = mapped_column(Text)
+    phase_s: Mapped[float] = mapped_column(Float)
+
+
+class HealthSample(Base):
+    __tablename__ = "health_samples"
+    __table_args__ = (Index(None, "node", "time_ns"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    node: Mapped[str] = mapped_column(String(NAME_LEN))
+    time_ns: Mapped[int] = mapped_column(BigInteger)
+    cpu_percent: Mapped[float] = mapped_column(Float)
+    load1: Mapped[float] = mapped_column(Float)
+    mem_used_bytes: Mapped[int] = mapped_column(BigInteger)
+    mem_total_bytes: Mapped[int] = mapped_column(BigInteger)
+    workers_alive: Mapped[int] = mapped_column(Integer)
+
+
+class Incident(Base):
+    __tablename__ = "incidents"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN), _job_fk(), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(64))
+    rank: Mapped[int | None] = mapped_column(Integer)
+    node: Mapped[str | None] = mapped_column(String(NAME_LEN))
+    detector: Mapped[str] = mapped_column(String(64))
+    evidence: Mapped[str] = mapped_column(Text)
+    detected_at: Mapped[float] = mapped_column(Float)
+
+
+class Action(Base):
+    __tablename__ = "actions"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN), _job_fk(), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))  # restart | quarantine | release | rollback | stop | inject_fault
+    cause: Mapped[str] = mapped_column(Text)
+    at: Mapped[float] = mapped_column(Float)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN))
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
+    path: Mapped[str] = mapped_column(Text)
+    manifest_sha256: Mapped[str] = mapped_column(String(64))
+    save_s: Mapped[float] = mapped_column(Float)
+    valid: Mapped[bool] = mapped_column(Boolean)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class IngestBatch(Base):
+    """One row per committed agent batch; its key makes ``record_batch`` idempotent."""
+
+    __tablename__ = "ingest_batches"
+
+    agent_id: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    committed_at: Mapped[float] = mapped_column(Float)
+    n_events: Mapped[int] = mapped_column(Integer)

@@ -1,0 +1,547 @@
+"""The Store: fleet's one persistence object, with domain methods over SQLAlchemy.
+
+Invariants:
+- Every method runs in its own short transaction from a pooled sessionmaker, so one
+  Store is safe to share between threads (gRPC server threads and the controller).
+- Nothing SQLAlchemy leaves this package: methods take and return plain values and
+  the frozen records of ``records.py``.
+- Every job/attempt state change is checked with ``check_transition`` and stored as a
+  ``transitions`` row in the same transaction; an illegal one raises ``StateError``
+  and writes nothing.
+- ``record_batch`` is idempotent on (agent_id, epoch, seq): the batch row and its
+  events commit together or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Engine, case, func, select, update
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from controlplane.errors import FleetError, NotFoundError, StateError, UnavailableError
+from controlplane.lifecycle import AttemptState, JobState, check_transition
+from controlplane.store import ingest
+from controlplane.store.engine import make_engine, redact, upsert
+from controlplane.store.records import (
+    ActionRecord,
+    AttemptRecord,
+    CheckpointRecord,
+    CollectiveRecord,
+    CollectiveSummary,
+    HealthRecord,
+    IncidentRecord,
+    JobRecord,
+    NodeRecord,
+    RankRecord,
+    StepRecord,
+    TransitionRecord,
+    WorkerStatusRecord,
+)
+from controlplane.store.schema import (
+    Action,
+    Attempt,
+    Checkpoint,
+    Collective,
+    HealthSample,
+    Incident,
+    IngestBatch,
+    Job,
+    Node,
+    Rank,
+    Step,
+    Transition,
+    WorkerStatusRow,
+    metadata,
+)
+from fleet_proto import events_pb2
+
+ACTION_KINDS = frozenset({"restart", "quarantine", "release", "rollback", "stop", "inject_fault"})
+NODE_HEALTHY = "healthy"
+NODE_QUARANTINED = "quarantined"
+
+
+def new_job_id(now: float) -> str:
+    """``j-YYYYmmdd-HHMMSS-xxxx`` (UTC, 4 random hex digits)."""
+    stamp = datetime.fromtimestamp(now, tz=timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"j-{stamp}-{secrets.token_hex(2)}"
+
+
+def create_schema(engine: Engine) -> None:
+    """Create missing tables and indexes (the Alembic migrations will replace this)."""
+    metadata.create_all(engine)
+
+
+def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(s) for s in json.loads(text))
+
+
+class Store:
+    """Persistence for jobs, attempts, nodes and telemetry. Thread-safe; a context manager."""
+
+    def __init__(self, url: str) -> None:
+        self._shown_url = redact(url)
+        self._engine, write_engine, single_connection = make_engine(url)
+        # In-memory SQLite has one shared connection: one transaction at a time.
+        self._serial: AbstractContextManager[Any] = (
+            threading.Lock() if single_connection else nullcontext())
+        self._read = sessionmaker(self._engine, expire_on_commit=False)
+        self._write_sessions = sessionmaker(write_engine, expire_on_commit=False)
+        self._closed = False
+        try:
+            create_schema(self._engine)
+        except OperationalError as e:
+            self._engine.dispose()
+            raise UnavailableError(f"store {self._shown_url!r}: cannot open: {e.orig}") from e
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release every pooled connection. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def dialect(self) -> str:
+        return self._engine.dialect.name
+
+    @contextmanager
+    def _tx(self, write: bool) -> Iterator[Session]:
+        if self._closed:
+            raise StateError(f"store {self._shown_url!r} is closed")
+        maker = self._write_sessions if write else self._read
+        try:
+            with self._serial, maker.begin() as session:
+                yield session
+        except OperationalError as e:
+            raise UnavailableError(f"store {self._shown_url!r}: {e.orig}") from e
+
+    def _job(self, s: Session, job_id: str, lock: bool = False) -> Job:
+        stmt = select(Job).where(Job.id == job_id)
+        job = s.scalars(stmt.with_for_update() if lock else stmt).one_or_none()
+        if job is None:
+            raise NotFoundError(f"job {job_id!r} not found")
+        return job
+
+    def _attempt(self, s: Session, job_id: str, number: int) -> Attempt:
+        row = s.scalars(
+            select(Attempt).where(Attempt.job_id == job_id, Attempt.number == number)
+            .with_for_update()
+        ).one_or_none()
+        if row is None:
+            raise NotFoundError(f"attempt {number} of job {job_id!r} not found")
+        return row
+
+    # -- jobs -----------------------------------------------------------------------------
+
+    def create_job(self, name: str, total_steps: int, config_json: str) -> str:
+        """Create a PENDING job; return its id."""
+        for _ in range(5):
+            now = time.time()
+            job_id = new_job_id(now)
+            try:
+                with self._tx(write=True) as s:
+                    s.add(Job(id=job_id, name=name, state=JobState.PENDING.value,
+                              total_steps=total_steps, config_json=config_json,
+                              created_at=now, updated_at=now, ended_at=None, reason=""))
+                    s.flush()
+                    s.add(Transition(job_id=job_id, attempt=None, entity="job", from_state=None,
+                                     to_state=JobState.PENDING.value, reason="created", at=now))
+                return job_id
+            except IntegrityError:
+                continue  # the same id drawn twice in one second: draw again
+        raise FleetError("could not allocate a unique job id")
+
+    def set_job_state(self, job_id: str, state: JobState, reason: str = "") -> None:
+        """Move a job to ``state``; ``StateError`` if illegal. Terminal states set ended_at."""
+        with self._tx(write=True) as s:
+            job = self._job(s, job_id, lock=True)
+            old = JobState(job.state)
+            check_transition(old, state)
+            now = time.time()
+            job.state, job.updated_at, job.reason = state.value, now, reason
+            if state.terminal:
+                job.ended_at = now
+            s.add(Transition(job_id=job_id, attempt=None, entity="job", from_state=old.value,
+                             to_state=state.value, reason=reason, at=now))
+
+    def _job_query(self):
+        steps = (select(func.coalesce(func.max(Step.step), 0))
+                 .where(Step.job_id == Job.id).scalar_subquery())
+        attempts = (select(func.count(Attempt.id))
+                    .where(Attempt.job_id == Job.id).scalar_subquery())
+        return select(Job, steps, attempts)
+
+    @staticmethod
+    def _job_record(job: Job, steps: int, attempts: int) -> JobRecord:
+        return JobRecord(id=job.id, name=job.name, state=JobState(job.state),
+                         total_steps=job.total_steps, steps_completed=int(steps),
+                         attempts=int(attempts), created_at=job.created_at,
+                         ended_at=job.ended_at, reason=job.reason, config_json=job.config_json)
+
+    def get_job(self, job_id: str) -> JobRecord:
+        with self._tx(write=False) as s:
+            row = s.execute(self._job_query().where(Job.id == job_id)).one_or_none()
+            if row is None:
+                raise NotFoundError(f"job {job_id!r} not found")
+            return self._job_record(*row)
+
+    def list_jobs(self, limit: int = 100) -> list[JobRecord]:
+        """Jobs, newest first."""
+        with self._tx(write=False) as s:
+            rows = s.execute(
+                self._job_query().order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+            ).all()
+            return [self._job_record(*r) for r in rows]
+
+    def transitions(self, job_id: str) -> list[TransitionRecord]:
+        """Every state change of the job and its attempts, oldest first."""
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(Transition).where(Transition.job_id == job_id)
+                             .order_by(Transition.id)).all()
+            return [TransitionRecord(job_id=r.job_id, attempt=r.attempt, entity=r.entity,
+                                     from_state=r.from_state, to_state=r.to_state,
+                                     reason=r.reason, at=r.at) for r in rows]
+
+    # -- attempts -------------------------------------------------------------------------
+
+    def create_attempt(self, job_id: str) -> int:
+        """Create the job's next attempt (1-based) in state PLACING; return its number."""
+        with self._tx(write=True) as s:
+            self._job(s, job_id, lock=True)  # serializes numbering on PostgreSQL
+            number = s.scalar(select(func.coalesce(func.max(Attempt.number), 0))
+                              .where(Attempt.job_id == job_id)) + 1
+            now = time.time()
+            s.add(Attempt(job_id=job_id, number=number, state=AttemptState.PLACING.value,
+                          started_at=now, ended_at=None, restored_step=None,
+                          final_step=None, reason=""))
+            s.add(Transition(job_id=job_id, attempt=number, entity="attempt", from_state=None,
+                             to_state=AttemptState.PLACING.value, reason="created", at=now))
+            return number
+
+    def set_attempt_state(self, job_id: str, attempt: int, state: AttemptState,
+                          reason: str = "") -> None:
+        """Move an attempt to ``state``; ``StateError`` if illegal. Terminal sets ended_at."""
+        with self._tx(write=True) as s:
+            row = self._attempt(s, job_id, attempt)
+            old = AttemptState(row.state)
+            check_transition(old, state)
+            now = time.time()
+            row.state, row.reason = state.value, reason
+            if state.terminal:
+                row.ended_at = now
+            s.add(Transition(job_id=job_id, attempt=attempt, entity="attempt",
+                             from_state=old.value, to_state=state.value, reason=reason, at=now))
+
+    def set_attempt_restored(self, job_id: str, attempt: int, step: int) -> None:
+        """Record the checkpoint step the attempt restored (0 = fresh start)."""
+        with self._tx(write=True) as s:
+            self._attempt(s, job_id, attempt).restored_step = step
+
+    def set_attempt_final_step(self, job_id: str, attempt: int, step: int) -> None:
+        """Record the last step the attempt completed."""
+        with self._tx(write=True) as s:
+            self._attempt(s, job_id, attempt).final_step = step
+
+    def get_attempts(self, job_id: str) -> list[AttemptRecord]:
+        """The job's attempts by number; ``NotFoundError`` if the job does not exist."""
+        with self._tx(write=False) as s:
+            self._job(s, job_id)
+            rows = s.scalars(select(Attempt).where(Attempt.job_id == job_id)
+                             .order_by(Attempt.number)).all()
+            return [AttemptRecord(job_id=r.job_id, number=r.number, state=AttemptState(r.state),
+                                  started_at=r.started_at, ended_at=r.ended_at,
+                                  restored_step=r.restored_step, final_step=r.final_step,
+                                  reason=r.reason) for r in rows]
+
+    # -- nodes and ranks ------------------------------------------------------------------
+
+    def upsert_node(self, name: str, ray_node_id: str, hostname: str, resources_json: str) -> None:
+        """Register a node or refresh its identity; keeps any quarantine. Sets last_seen."""
+        now = time.time()
+        stmt = upsert(self.dialect, Node.__table__, ["name"], {
+            "ray_node_id": ray_node_id, "hostname": hostname,
+            "resources_json": resources_json, "last_seen": now,
+        })
+        with self._tx(write=True) as s:
+            s.execute(stmt, [{"name": name, "ray_node_id": ray_node_id, "hostname": hostname,
+                              "resources_json": resources_json, "state": NODE_HEALTHY,
+                              "quarantine_reason": "", "quarantined_since": None,
+                              "last_seen": now}])
+
+    def touch_node(self, name: str) -> None:
+        """Set the node's last_seen to now; ``NotFoundError`` if unknown."""
+        with self._tx(write=True) as s:
+            res = s.execute(update(Node).where(Node.name == name).values(last_seen=time.time()))
+            if res.rowcount == 0:
+                raise NotFoundError(f"node {name!r} not found")
+
+    def quarantine_node(self, name: str, reason: str) -> None:
+        """Mark the node quarantined with ``reason`` (kept if already quarantined)."""
+        with self._tx(write=True) as s:
+            node = s.get(Node, name, with_for_update=True)
+            if node is None:
+                raise NotFoundError(f"node {name!r} not found")
+            if node.state != NODE_QUARANTINED:
+                node.state, node.quarantine_reason = NODE_QUARANTINED, reason
+                node.quarantined_since = time.time()
+
+    def release_node(self, name: str) -> None:
+        """Return a quarantined node to healthy."""
+        with self._tx(write=True) as s:
+            node = s.get(Node, name, with_for_update=True)
+            if node is None:
+                raise NotFoundError(f"node {name!r} not found")
+            node.state, node.quarantine_reason, node.quarantined_since = NODE_HEALTHY, "", None
+
+    def list_nodes(self) -> list[NodeRecord]:
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(Node).order_by(Node.name)).all()
+            return [NodeRecord(name=n.name, ray_node_id=n.ray_node_id, hostname=n.hostname,
+                               resources_json=n.resources_json, state=n.state,
+                               quarantine_reason=n.quarantine_reason,
+                               quarantined_since=n.quarantined_since, last_seen=n.last_seen)
+                    for n in rows]
+
+    def record_rank(self, job_id: str, attempt: int, rank: int, node: str, pid: int) -> None:
+        """Record (or correct) where a rank of an attempt runs."""
+        stmt = upsert(self.dialect, Rank.__table__, ["job_id", "attempt", "rank"],
+                      {"node": node, "pid": pid})
+        try:
+            with self._tx(write=True) as s:
+                s.execute(stmt, [{"job_id": job_id, "attempt": attempt, "rank": rank,
+                                  "node": node, "pid": pid}])
+        except IntegrityError as e:
+            raise NotFoundError(f"job {job_id!r} not found") from e
+
+    def ranks(self, job_id: str, attempt: int) -> list[RankRecord]:
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(Rank).where(Rank.job_id == job_id, Rank.attempt == attempt)
+                             .order_by(Rank.rank)).all()
+            return [RankRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank, node=r.node,
+                               pid=r.pid) for r in rows]
+
+    # -- ingest ---------------------------------------------------------------------------
+
+    def record_batch(self, agent_id: str, epoch: int, seq: int,
+                     events: Sequence[events_pb2.Event]) -> bool:
+        """Store one agent batch atomically; False (and nothing written) if already stored."""
+        key = {"agent_id": agent_id, "epoch": epoch, "seq": seq}
+        try:
+            with self._tx(write=True) as s:
+                if s.get(IngestBatch, (agent_id, epoch, seq)) is not None:
+                    return False
+                s.execute(IngestBatch.__table__.insert(),
+                          [{**key, "committed_at": time.time(), "n_events": len(events)}])
+                ingest.write_events(s, events)
+        except IntegrityError:
+            # A concurrent commit of the same key (PostgreSQL); anything else is re-raised.
+            with self._tx(write=False) as s:
+                if s.get(IngestBatch, (agent_id, epoch, seq)) is not None:
+                    return False
+            raise
+        return True
+
+    def committed_seq(self, agent_id: str, epoch: int) -> int:
+        """Highest committed batch seq of (agent, epoch); 0 if none."""
+        with self._tx(write=False) as s:
+            return s.scalar(select(func.coalesce(func.max(IngestBatch.seq), 0)).where(
+                IngestBatch.agent_id == agent_id, IngestBatch.epoch == epoch))
+
+    def record_health(self, node: str, time_ns: int, cpu_percent: float, load1: float,
+                      mem_used_bytes: int, mem_total_bytes: int, workers_alive: int) -> None:
+        with self._tx(write=True) as s:
+            s.execute(HealthSample.__table__.insert(), [{
+                "node": node, "time_ns": time_ns, "cpu_percent": cpu_percent, "load1": load1,
+                "mem_used_bytes": mem_used_bytes, "mem_total_bytes": mem_total_bytes,
+                "workers_alive": workers_alive}])
+
+    def health_samples(self, node: str, since_ns: int = 0) -> list[HealthRecord]:
+        """The node's health samples with ``time_ns >= since_ns``, oldest first."""
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(HealthSample).where(
+                HealthSample.node == node, HealthSample.time_ns >= since_ns)
+                .order_by(HealthSample.time_ns, HealthSample.id)).all()
+            return [HealthRecord(node=r.node, time_ns=r.time_ns, cpu_percent=r.cpu_percent,
+                                 load1=r.load1, mem_used_bytes=r.mem_used_bytes,
+                                 mem_total_bytes=r.mem_total_bytes,
+                                 workers_alive=r.workers_alive) for r in rows]
+
+    # -- incidents, actions, checkpoints --------------------------------------------------
+
+    def record_incident(self, job_id: str, attempt: int, kind: str, detector: str,
+                        evidence: str, rank: int | None = None, node: str | None = None) -> int:
+        """Store a detected incident; return its id."""
+        try:
+            with self._tx(write=True) as s:
+                row = Incident(job_id=job_id, attempt=attempt, kind=kind, rank=rank, node=node,
+                               detector=detector, evidence=evidence, detected_at=time.time())
+                s.add(row)
+                s.flush()
+                return row.id
+        except IntegrityError as e:
+            raise NotFoundError(f"job {job_id!r} not found") from e
+
+    def incidents(self, job_id: str) -> list[IncidentRecord]:
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(Incident).where(Incident.job_id == job_id)
+                             .order_by(Incident.id)).all()
+            return [IncidentRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, kind=r.kind,
+                                   rank=r.rank, node=r.node, detector=r.detector,
+                                   evidence=r.evidence, detected_at=r.detected_at) for r in rows]
+
+    def record_action(self, job_id: str, attempt: int, kind: str, cause: str) -> int:
+        """Store an action (restart, quarantine, rollback, stop, inject_fault, ...); return its id."""
+        if kind not in ACTION_KINDS:
+            raise ValueError(f"action kind {kind!r} not in {sorted(ACTION_KINDS)}")
+        try:
+            with self._tx(write=True) as s:
+                row = Action(job_id=job_id, attempt=attempt, kind=kind, cause=cause,
+                             at=time.time())
+                s.add(row)
+                s.flush()
+                return row.id
+        except IntegrityError as e:
+            raise NotFoundError(f"job {job_id!r} not found") from e
+
+    def actions(self, job_id: str) -> list[ActionRecord]:
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(Action).where(Action.job_id == job_id)
+                             .order_by(Action.id)).all()
+            return [ActionRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, kind=r.kind,
+                                 cause=r.cause, at=r.at) for r in rows]
+
+    @staticmethod
+    def _checkpoint_record(r: Checkpoint) -> CheckpointRecord:
+        return CheckpointRecord(job_id=r.job_id, attempt=r.attempt, step=r.step, path=r.path,
+                                manifest_sha256=r.manifest_sha256, save_s=r.save_s,
+                                valid=r.valid, created_at=r.created_at)
+
+    def checkpoints(self, job_id: str) -> list[CheckpointRecord]:
+        """All checkpoints of the job by step, valid or not."""
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                             .order_by(Checkpoint.step)).all()
+            return [self._checkpoint_record(r) for r in rows]
+
+    def latest_valid_checkpoint(self, job_id: str,
+                                before_step: int | None = None) -> CheckpointRecord | None:
+        """Newest valid checkpoint, optionally with ``step < before_step`` (SDC rollback)."""
+        stmt = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.valid.is_(True))
+        if before_step is not None:
+            stmt = stmt.where(Checkpoint.step < before_step)
+        with self._tx(write=False) as s:
+            row = s.scalars(stmt.order_by(Checkpoint.step.desc()).limit(1)).first()
+            return None if row is None else self._checkpoint_record(row)
+
+    def invalidate_checkpoint(self, job_id: str, step: int) -> None:
+        """Mark a checkpoint invalid (failed validation, or saved after corruption)."""
+        with self._tx(write=True) as s:
+            res = s.execute(update(Checkpoint).where(Checkpoint.job_id == job_id,
+                                                     Checkpoint.step == step).values(valid=False))
+            if res.rowcount == 0:
+                raise NotFoundError(f"checkpoint of job {job_id!r} at step {step} not found")
+
+    # -- telemetry queries ----------------------------------------------------------------
+
+    def steps(self, job_id: str, attempt: int | None = None,
+              rank: int | None = None) -> list[StepRecord]:
+        """Step metrics ordered by attempt, step, rank."""
+        stmt = select(Step).where(Step.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(Step.attempt == attempt)
+        if rank is not None:
+            stmt = stmt.where(Step.rank == rank)
+        with self._tx(write=False) as s:
+            rows = s.scalars(stmt.order_by(Step.attempt, Step.step, Step.rank)).all()
+            return [StepRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank, step=r.step,
+                               loss=r.loss, step_time_s=r.step_time_s,
+                               tokens_per_s=r.tokens_per_s, end_ns=r.end_ns) for r in rows]
+
+    def last_step(self, job_id: str, attempt: int | None = None) -> int:
+        """Highest step recorded (in ``attempt``, or any); 0 if none."""
+        stmt = select(func.max(Step.step)).where(Step.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(Step.attempt == attempt)
+        with self._tx(write=False) as s:
+            return s.scalar(stmt) or 0
+
+    def collectives(self, job_id: str, attempt: int | None = None, rank: int | None = None,
+                    group: str | None = None) -> list[CollectiveRecord]:
+        """Collectives ordered by attempt, rank, group, seq."""
+        c = Collective.__table__.c
+        stmt = select(Collective.__table__).where(c.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(c.attempt == attempt)
+        if rank is not None:
+            stmt = stmt.where(c.rank == rank)
+        if group is not None:
+            stmt = stmt.where(c.group_name == group)
+        stmt = stmt.order_by(c.attempt, c.rank, c.group_name, c.seq)
+        with self._tx(write=False) as s:
+            return [CollectiveRecord(
+                job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
+                group_size=r.group_size, seq=r.seq, op=r.op,
+                input_sizes=_sizes(r.input_sizes), input_dtypes=tuple(json.loads(r.input_dtypes)),
+                output_sizes=_sizes(r.output_sizes),
+                output_dtypes=tuple(json.loads(r.output_dtypes)),
+                enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
+            ) for r in s.execute(stmt)]
+
+    def collective_summary(self, job_id: str,
+                           attempt: int | None = None) -> list[CollectiveSummary]:
+        """One aggregate per (attempt, rank, group), computed in SQL."""
+        c = Collective.__table__.c
+        done = c.state == "completed"
+        keys = (c.attempt, c.rank, c.group_name)
+        where: list[Any] = [c.job_id == job_id]
+        if attempt is not None:
+            where.append(c.attempt == attempt)
+        agg = (select(*keys, func.count(), func.min(c.seq), func.max(c.seq),
+                      func.sum(case((done, 1), else_=0)),
+                      func.max(case((done, c.seq))),
+                      func.avg(case((done & c.exit_ns.is_not(None), c.exit_ns - c.enter_ns))))
+               .where(*where).group_by(*keys).order_by(*keys))
+        per_op = select(*keys, c.op, func.count()).where(*where).group_by(*keys, c.op)
+        with self._tx(write=False) as s:
+            ops: dict[tuple, dict[str, int]] = {}
+            for a, r, g, op, n in s.execute(per_op):
+                ops.setdefault((a, r, g), {})[op] = n
+            out = []
+            for a, r, g, n, first, last, completed, last_done, mean_ns in s.execute(agg):
+                out.append(CollectiveSummary(
+                    attempt=a, rank=r, group=g, count=n, first_seq=first, last_seq=last,
+                    consecutive=n == last - first + 1, completed=int(completed or 0),
+                    last_completed_seq=last_done, ops=ops.get((a, r, g), {}),
+                    mean_duration_ms=None if mean_ns is None else float(mean_ns) / 1e6,
+                ))
+            return out
+
+    def worker_status(self, job_id: str, attempt: int | None = None) -> list[WorkerStatusRecord]:
+        """Worker status changes ordered by attempt, time, rank."""
+        stmt = select(WorkerStatusRow).where(WorkerStatusRow.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(WorkerStatusRow.attempt == attempt)
+        stmt = stmt.order_by(WorkerStatusRow.attempt, WorkerStatusRow.time_ns,
+                             WorkerStatusRow.rank, WorkerStatusRow.id)
+        with self._tx(write=False) as s:
+            return [WorkerStatusRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank,
+                                       state=r.state, time_ns=r.time_ns, pid=r.pid,
+                                       hostname=r.hostname, restored_step=r.restored_step,
+                                       detail=r.detail, phase_s=r.phase_s)
+                    for r in s.scalars(stmt)]

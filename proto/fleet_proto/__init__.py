@@ -1,0 +1,1 @@
+"""fleet wire contract: generated protobuf/gRPC stubs (see scripts/gen_proto.py)."""

@@ -1,0 +1,82 @@
+"""Component tier: a real controller gRPC server on 127.0.0.1:0 over a real SQLite file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from controlplane.agent_server import AgentRegistry, AgentServicer
+from controlplane.control_server import ControlServicer
+from controlplane.errors import NotFoundError
+from controlplane.grpc_server import ControllerServer
+from controlplane.store import Store
+from fleet_proto import control_pb2, events_pb2
+
+TOKEN = "test-token-0123456789"
+
+
+class StoreJobControl:
+    """A JobControl answering from the store (no Ray): enough for the service contract."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.faults: list[tuple[str, int, str, str]] = []
+
+    def list_jobs(self) -> list[control_pb2.JobSummary]:
+        return [control_pb2.JobSummary(job_id=j.id, state=j.state.value) for j in self.store.list_jobs()]
+
+    def job_status(self, job_id: str) -> control_pb2.JobStatus:
+        j = self.store.get_job(job_id)
+        return control_pb2.JobStatus(job=control_pb2.JobSummary(job_id=j.id, state=j.state.value))
+
+    def inject_fault(self, job_id, rank, node, fault: events_pb2.FaultSpec):  # noqa: ANN001
+        self.store.get_job(job_id)
+        if rank > 3:
+            raise NotFoundError(f"rank {rank} does not exist")
+        self.faults.append((job_id, rank, node, fault.kind))
+        return control_pb2.InjectFaultReply(command_id="c1", attempt=1, ranks=[rank], node=node or "node-0")
+
+    def stop_job(self, job_id: str, reason: str) -> str:
+        self.store.get_job(job_id)
+        return "STOPPING"
+
+
+@dataclass
+class Controller:
+    store: Store
+    registry: AgentRegistry
+    server: ControllerServer
+    control: StoreJobControl
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+
+def start_server(store: Store, registry: AgentRegistry, port: int = 0) -> tuple[ControllerServer, StoreJobControl]:
+    control = StoreJobControl(store)
+    server = ControllerServer(
+        AgentServicer(store, registry, TOKEN, controller_id="ctl-test"),
+        ControlServicer(control, TOKEN),
+        port=port,
+    ).start()
+    return server, control
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    with Store(f"sqlite:///{tmp_path}/fleet.db") as s:
+        yield s
+
+
+@pytest.fixture
+def controller(store: Store) -> Iterator[Controller]:
+    registry = AgentRegistry()
+    server, control = start_server(store, registry)
+    try:
+        yield Controller(store, registry, server, control)
+    finally:
+        server.close()

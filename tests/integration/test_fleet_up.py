@@ -1,0 +1,248 @@
+"""`fleet up` end to end: a real local Ray cluster (two raylets on 127.0.0.1), real agents,
+real gloo workers, real gRPC and a real SQLite store; asserted from the store."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from controlplane.lifecycle import AttemptState, JobState
+from controlplane.store import Store
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+FLEET = [sys.executable, "-m", "controlplane.cli.main"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_cluster(tmp: Path, *, steps: int, checkpoint_interval: int) -> Path:
+    """A small copy of examples/local.yaml, with every path inside tmp."""
+    cfg = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+    cfg["job"].update(steps=steps, checkpoint_interval=checkpoint_interval)
+    cfg["ray"]["cpus_per_node"] = 3
+    path = tmp / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+class FleetUp:
+    """A `fleet up` child process, watched: its process tree and listening sockets."""
+
+    def __init__(self, tmp: Path, cluster: Path) -> None:
+        self.tmp = tmp
+        self.proc = subprocess.Popen(
+            [*FLEET, "up", "--cluster", str(cluster), "--json"],
+            cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        self.seen_pids: set[int] = set()
+        self.listening: set[tuple[str, int, str]] = set()
+
+    def sample(self) -> None:
+        """Record the process tree and every listening socket in it."""
+        try:
+            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.Error:
+            return
+        for p in tree:
+            self.seen_pids.add(p.pid)
+            try:
+                for c in p.net_connections(kind="inet"):
+                    if c.status == psutil.CONN_LISTEN:
+                        self.listening.add((c.laddr.ip, c.laddr.port, p.name()))
+            except psutil.Error:
+                pass
+
+    def wait_until(self, cond, timeout_s: float, what: str) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"fleet up exited ({self.proc.returncode}) before {what}: {self.stderr()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            self.sample()
+            time.sleep(0.1)
+
+    def finish(self, timeout_s: float = 300) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.sample()
+            time.sleep(0.2)
+        try:
+            out, self._err = self.proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, self._err = self.proc.communicate()
+            raise AssertionError(f"fleet up did not finish in {timeout_s} s: {self._err[-3000:]}") from None
+        assert self.proc.returncode == 0, f"fleet up exited {self.proc.returncode}: {self._err[-3000:]}"
+        return json.loads(out)
+
+    def stderr(self) -> str:
+        return getattr(self, "_err", "") or ""
+
+    def assert_tree_gone(self, timeout_s: float = 30) -> None:
+        """Every process fleet up started (Ray daemons, agents, workers) has ended."""
+        deadline = time.monotonic() + timeout_s
+        alive = set()
+        while time.monotonic() < deadline:
+            alive = {
+                pid for pid in self.seen_pids
+                if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            }
+            if not alive:
+                return
+            time.sleep(0.2)
+        for pid in alive:
+            psutil.Process(pid).kill()
+        raise AssertionError(f"processes left behind by fleet up: {sorted(alive)}")
+
+    def assert_loopback_only(self) -> None:
+        assert self.listening, "no listening socket was observed (sampling is broken)"
+        outside = {
+            (ip, port, name) for ip, port, name in self.listening
+            if ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+        }
+        assert not outside, f"listening beyond loopback: {sorted(outside)}"
+
+
+def store_of(tmp: Path) -> Store:
+    return Store(f"sqlite:///{tmp}/.fleet/fleet.db")
+
+
+def controller_job(tmp: Path) -> str | None:
+    try:
+        return json.loads((tmp / ".fleet" / "controller.json").read_text())["job_id"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def test_fleet_up_runs_a_job_to_success(tmp_path: Path) -> None:
+    steps, interval = 30, 10
+    run = FleetUp(tmp_path, write_cluster(tmp_path, steps=steps, checkpoint_interval=interval))
+    run.wait_until(lambda: controller_job(tmp_path), 120, "the controller to start")
+    summary = run.finish()
+    run.assert_tree_gone()
+    run.assert_loopback_only()
+
+    assert summary["state"] == "SUCCEEDED" and summary["final_step"] == steps
+    with store_of(tmp_path) as store:
+        job = store.get_job(summary["job_id"])
+        assert job.state is JobState.SUCCEEDED
+        assert job.steps_completed == steps and job.attempts == 1
+        ranks = store.ranks(job.id, 1)
+        assert sorted(r.rank for r in ranks) == [0, 1, 2, 3]
+        assert {r.node for r in ranks} == {"node-0", "node-1"}
+        # a step row for every step from every rank
+        rows = store.steps(job.id, attempt=1)
+        for rank in range(4):
+            assert sorted(s.step for s in rows if s.rank == rank) == list(range(1, steps + 1))
+        # collectives from every rank, consecutive sequence numbers, all completed, same count
+        colls = store.collectives(job.id, attempt=1)
+        per_rank = {r: [c for c in colls if c.rank == r and c.group == "0"] for r in range(4)}
+        counts = {len(v) for v in per_rank.values()}
+        assert len(counts) == 1 and counts.pop() >= 2 * steps
+        for rank, cs in per_rank.items():
+            assert [c.seq for c in cs] == list(range(1, len(cs) + 1)), f"rank {rank} has gaps"
+            assert all(c.state == "completed" and c.exit_ns >= c.enter_ns for c in cs)
+        # the same collective on every rank has the same op and sizes
+        for seq in range(1, len(per_rank[0]) + 1):
+            ops = {(cs[seq - 1].op, cs[seq - 1].input_sizes) for cs in per_rank.values()}
+            assert len(ops) == 1, f"ranks disagree on collective {seq}: {ops}"
+        # checkpoints: recorded valid and present on disk with their manifest
+        ckpts = store.checkpoints(job.id)
+        assert [c.step for c in ckpts if c.valid][-1] == steps
+        for c in ckpts[-2:]:
+            assert (Path(c.path) / "MANIFEST.json").is_file()
+        assert [(t.entity, t.to_state) for t in store.transitions(job.id) if t.entity == "job"][-1] == (
+            "job", "SUCCEEDED")
+
+    # the CLI reads the same store
+    out = subprocess.run([*FLEET, "jobs", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    listed = {j["id"]: j for j in json.loads(out.stdout)}
+    assert listed[summary["job_id"]]["state"] == "SUCCEEDED"
+    assert listed[summary["job_id"]]["steps_completed"] == steps
+    assert listed[summary["job_id"]]["attempts"] == 1
+    out = subprocess.run([*FLEET, "replay", summary["job_id"], "--steps", "3"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "attempt 1: SUCCEEDED" in out.stdout and "all_reduce" in out.stdout
+
+
+def test_injected_crash_restarts_from_the_newest_checkpoint(tmp_path: Path) -> None:
+    steps, interval, crash_step = 60, 10, 45
+    run = FleetUp(tmp_path, write_cluster(tmp_path, steps=steps, checkpoint_interval=interval))
+    run.wait_until(lambda: controller_job(tmp_path), 120, "the controller to start")
+    job_id = controller_job(tmp_path)
+
+    def inject() -> bool:
+        out = subprocess.run(
+            [*FLEET, "inject-fault", "--job", job_id, "--kind", "crash", "--rank", "2",
+             "--at-step", str(crash_step), "--json"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        )
+        if out.returncode == 0:
+            inject.reply = json.loads(out.stdout)
+            return True
+        assert "no running worker group yet" in out.stderr, out.stderr
+        return False
+
+    run.wait_until(inject, 180, "the fault to be accepted")
+    assert inject.reply["ranks"] == [2] and inject.reply["node"] == "node-1"
+    summary = run.finish()
+    run.assert_tree_gone()
+
+    assert summary["state"] == "SUCCEEDED" and summary["final_step"] == steps
+    with store_of(tmp_path) as store:
+        attempts = store.get_attempts(job_id)
+        assert [a.state for a in attempts] == [AttemptState.FAILED, AttemptState.SUCCEEDED]
+        first, second = attempts
+        assert first.final_step == crash_step - 1
+        # restored from the newest checkpoint before the crash
+        assert second.restored_step == (crash_step - 1) // interval * interval >= 1
+        assert second.final_step == steps
+        resumed = sorted({s.step for s in store.steps(job_id, attempt=2)})
+        assert resumed == list(range(second.restored_step + 1, steps + 1))
+        incidents = store.incidents(job_id)
+        assert len(incidents) == 1
+        assert (incidents[0].kind, incidents[0].rank, incidents[0].node) == ("crash", 2, "node-1")
+        assert incidents[0].attempt == 1
+        kinds = [a.kind for a in store.actions(job_id)]
+        assert kinds == ["inject_fault", "restart"]
+        # the second attempt's collectives start again at seq 1 on every rank
+        for rank in range(4):
+            seqs = [c.seq for c in store.collectives(job_id, attempt=2, rank=rank, group="0")]
+            assert seqs == list(range(1, len(seqs) + 1))
+
+
+def test_ctrl_c_stops_the_job_and_tears_everything_down(tmp_path: Path) -> None:
+    run = FleetUp(tmp_path, write_cluster(tmp_path, steps=100_000, checkpoint_interval=0))
+    run.wait_until(lambda: controller_job(tmp_path), 120, "the controller to start")
+    job_id = controller_job(tmp_path)
+
+    def training() -> bool:
+        with store_of(tmp_path) as store:
+            return store.last_step(job_id) >= 5
+
+    run.wait_until(training, 180, "training to start")
+    run.sample()
+    run.proc.send_signal(signal.SIGINT)
+    try:
+        _, err = run.proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        run.proc.kill()
+        raise
+    assert run.proc.returncode == 130, err[-2000:]
+    run.assert_tree_gone()
+    with store_of(tmp_path) as store:
+        job = store.get_job(job_id)
+        assert job.state is JobState.STOPPED
+        assert store.get_attempts(job_id)[-1].state is AttemptState.STOPPED
+    assert not (tmp_path / ".fleet" / "controller.json").exists()

@@ -1,0 +1,364 @@
+"""cluster.yaml parsing: the embedded default, one test per kind of error, fuzzing, README sync."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+from controlplane.config import (
+    DEFAULT_CLUSTER_FILE,
+    ClusterConfig,
+    load_cluster_config,
+    parse_cluster_yaml,
+)
+from controlplane.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = "x.yaml"
+
+
+def _error(text: str) -> str:
+    """The one-line message parse_cluster_yaml raises for ``text``."""
+    with pytest.raises(ConfigError) as info:
+        parse_cluster_yaml(text, SRC)
+    return str(info.value)
+
+
+# -- the embedded default ------------------------------------------------------------
+
+
+def test_default_file_is_examples_local_yaml() -> None:
+    assert DEFAULT_CLUSTER_FILE == REPO / "examples" / "local.yaml"
+    assert DEFAULT_CLUSTER_FILE.is_file()
+
+
+def test_examples_local_yaml_loads() -> None:
+    cfg = load_cluster_config(REPO / "examples" / "local.yaml")
+    assert cfg.ray.address is None
+    assert cfg.ray.nodes >= 2
+    assert cfg.job.nodes >= 2
+    assert cfg.job.ranks_per_node == 2
+    assert cfg.job.world_size == cfg.job.nodes * 2
+    assert cfg.job.model.preset == "tiny"
+    assert cfg.store.url.startswith("sqlite:///")
+    assert ".fleet/" in cfg.store.url
+    assert cfg.job.seq_len <= cfg.job.model.args().max_seq_len
+    c = cfg.controller
+    assert c.heartbeat_interval_s < c.heartbeat_timeout_s < cfg.job.pg_timeout_s
+
+
+def test_empty_file_gives_defaults() -> None:
+    for text in ("", "\n", "# nothing but a comment\n", "---\n"):
+        assert parse_cluster_yaml(text, SRC) == ClusterConfig()
+
+
+def test_missing_file_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_cluster_config(path)
+    assert str(path) in str(info.value)
+    assert "no such file" in str(info.value)
+
+
+def test_undecodable_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(ConfigError) as info:
+        load_cluster_config(path)
+    assert str(info.value).startswith(str(path))
+
+
+def test_loaded_file_errors_name_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text("name: ok\nbogus: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_cluster_config(path)
+    assert str(info.value) == f"{path}:2: bogus: unknown key"
+
+
+# -- each kind of error names the file, the key and the line ----------------------------
+
+
+def test_wrong_type_names_key_and_line() -> None:
+    msg = _error("name: demo\njob:\n  steps: many\n")
+    assert msg.startswith(f"{SRC}:3: job.steps: ")
+    assert "integer" in msg
+
+
+def test_out_of_range_names_key_and_line() -> None:
+    msg = _error("ray:\n  cpus_per_node: 4\n  nodes: 0\n")
+    assert msg.startswith(f"{SRC}:3: ray.nodes: ")
+    assert "greater than or equal to 1" in msg
+
+
+def test_port_above_range() -> None:
+    msg = _error("controller:\n  port: 70000\n")
+    assert msg.startswith(f"{SRC}:2: controller.port: ")
+    assert "65535" in msg
+
+
+def test_unknown_top_level_key_names_key_and_line() -> None:
+    assert _error("name: demo\nstate_dir: .fleet\nbogus: 1\n") == f"{SRC}:3: bogus: unknown key"
+
+
+def test_unknown_nested_key_names_dotted_key_and_line() -> None:
+    text = "job:\n  steps: 10\n  model:\n    preset: tiny\n    depth: 3\n"
+    assert _error(text) == f"{SRC}:5: job.model.depth: unknown key"
+
+
+def test_bad_enum_names_key_line_and_choices() -> None:
+    msg = _error("job:\n  model:\n    preset: huge\n")
+    assert msg == f"{SRC}:3: job.model.preset: Input should be 'tiny' or 'small'"
+
+
+def test_section_that_is_not_a_mapping() -> None:
+    msg = _error("name: demo\njob: 3\n")
+    assert msg.startswith(f"{SRC}:2: job: ")
+
+
+def test_invalid_yaml_syntax_names_line() -> None:
+    msg = _error("name: demo\njob:\n  steps: [1, 2\n")
+    assert re.match(rf"{re.escape(SRC)}:\d+: not valid YAML: ", msg), msg
+    assert "\n" not in msg
+
+
+def test_tab_indentation_is_a_syntax_error_with_line() -> None:
+    assert _error("job:\n\tsteps: 3\n").startswith(f"{SRC}:2: not valid YAML: ")
+
+
+@pytest.mark.parametrize("text, kind", [("- a\n- b\n", "list"), ("hello\n", "str"), ("3\n", "int")])
+def test_non_mapping_top_level(text: str, kind: str) -> None:
+    msg = _error(text)
+    assert msg.startswith(f"{SRC}: ")
+    assert "mapping" in msg
+    assert kind in msg
+
+
+def test_several_problems_are_counted() -> None:
+    msg = _error("ray:\n  nodes: 0\n  cpus_per_node: 0\n")
+    assert "(and 1 more problem(s))" in msg
+
+
+# -- cross-field rules --------------------------------------------------------------------
+
+
+def test_heartbeat_interval_must_be_below_timeout() -> None:
+    text = "controller:\n  heartbeat_interval_s: 10\n  heartbeat_timeout_s: 5\n"
+    msg = _error(text)
+    assert msg.startswith(f"{SRC}")
+    assert "controller.heartbeat_interval_s" in msg
+    assert "controller.heartbeat_timeout_s" in msg
+
+
+def test_heartbeat_interval_equal_to_timeout_is_rejected() -> None:
+    msg = _error("controller:\n  heartbeat_interval_s: 5\n  heartbeat_timeout_s: 5\n")
+    assert "controller.heartbeat_interval_s" in msg
+
+
+def test_heartbeat_timeout_must_be_below_pg_timeout() -> None:
+    msg = _error("controller:\n  heartbeat_timeout_s: 100\njob:\n  pg_timeout_s: 60\n")
+    assert "controller.heartbeat_timeout_s" in msg
+    assert "job.pg_timeout_s" in msg
+
+
+def test_job_nodes_above_local_ray_nodes_is_rejected() -> None:
+    msg = _error("ray:\n  nodes: 2\njob:\n  nodes: 3\n")
+    assert "job.nodes (3)" in msg
+    assert "ray.nodes (2)" in msg
+
+
+def test_job_nodes_above_ray_nodes_allowed_with_ray_address() -> None:
+    cfg = parse_cluster_yaml("ray:\n  address: 10.0.0.1:6379\n  nodes: 2\njob:\n  nodes: 3\n", SRC)
+    assert cfg.job.nodes == 3
+    assert cfg.ray.address == "10.0.0.1:6379"
+
+
+def test_seq_len_above_model_max_seq_len() -> None:
+    msg = _error("job:\n  seq_len: 128\n")
+    assert msg.startswith(f"{SRC}:2: job: ")
+    assert "seq_len (128)" in msg
+    assert "max_seq_len (64)" in msg
+
+
+def test_seq_len_fits_larger_preset() -> None:
+    cfg = parse_cluster_yaml("job:\n  seq_len: 128\n  model:\n    preset: small\n", SRC)
+    assert cfg.job.train_args().seq_len == 128
+
+
+def test_model_override_dim_not_divisible_by_heads() -> None:
+    msg = _error("job:\n  model:\n    preset: tiny\n    dim: 66\n")
+    assert msg.startswith(f"{SRC}:3: job.model: ")
+    assert "dim (66)" in msg
+    assert "n_heads (4)" in msg
+
+
+def test_model_override_applies() -> None:
+    cfg = parse_cluster_yaml("job:\n  model:\n    dim: 128\n    n_heads: 8\n", SRC)
+    args = cfg.job.model.args()
+    assert (args.dim, args.n_heads, args.n_kv_heads) == (128, 8, 2)
+
+
+def test_config_is_frozen() -> None:
+    cfg = parse_cluster_yaml("", SRC)
+    with pytest.raises(Exception):
+        cfg.job.steps = 1  # type: ignore[misc]
+
+
+# -- YAML constructs whose loader errors are not yaml.YAMLError ---------------------------
+
+
+def test_invalid_timestamp_is_a_config_error() -> None:
+    # PyYAML builds datetime objects for date-like scalars and lets ValueError escape
+    msg = _error("name: 2001-02-30\n")
+    assert msg.startswith(SRC)
+
+
+def test_deeply_nested_yaml_is_a_config_error() -> None:
+    # PyYAML's composer recurses once per nesting level
+    msg = _error("name: " + "[" * 2000 + "]" * 2000 + "\n")
+    assert msg.startswith(SRC)
+
+
+# -- fuzzing ------------------------------------------------------------------------------
+
+FUZZ = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,  # the same examples every run: a failure reproduces
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@FUZZ
+@given(st.text())
+def test_fuzz_arbitrary_text_only_raises_config_error(text: str) -> None:
+    try:
+        cfg = parse_cluster_yaml(text, SRC)
+    except ConfigError as exc:
+        assert str(exc).startswith(SRC)
+    else:
+        assert isinstance(cfg, ClusterConfig)
+
+
+def _section_fields(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, 1, -1, 2, 16, 64, 65535, 65536]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, 0.1, 1.0, 10.0, 60.0, math.inf, -math.inf, math.nan]),
+    st.text(max_size=20),
+    st.sampled_from(["tiny", "small", "huge", "", "127.0.0.1:6379", "sqlite:///x.db"]),
+)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+def _section(model: type[BaseModel], nested: dict[str, st.SearchStrategy] | None = None):
+    keys = _section_fields(model) + ["bogus"]
+    value_for = {k: (nested or {}).get(k, _VALUES) for k in keys}
+    return st.one_of(
+        st.fixed_dictionaries({}, optional={k: value_for[k] for k in keys}),
+        _VALUES,  # a section that is not even a mapping
+    )
+
+
+def _cluster_dicts():
+    from controlplane.config import (
+        AgentConfig,
+        ControllerConfig,
+        JobConfig,
+        ModelConfig,
+        RayConfig,
+        StoreConfig,
+    )
+
+    model = _section(ModelConfig)
+    sections = {
+        "ray": _section(RayConfig),
+        "controller": _section(ControllerConfig),
+        "store": _section(StoreConfig),
+        "agent": _section(AgentConfig),
+        "job": _section(JobConfig, {"model": model}),
+        "name": _VALUES,
+        "state_dir": _VALUES,
+        "bogus": _VALUES,
+    }
+    return st.fixed_dictionaries({}, optional=sections)
+
+
+@FUZZ
+@given(_cluster_dicts())
+def test_fuzz_structured_only_raises_config_error(data: dict) -> None:
+    text = yaml.safe_dump(data, sort_keys=False)
+    try:
+        cfg = parse_cluster_yaml(text, SRC)
+    except ConfigError as exc:
+        msg = str(exc)
+        assert msg.startswith(SRC), msg
+        assert "\n" not in msg, msg
+    else:
+        assert isinstance(cfg, ClusterConfig)
+        c = cfg.controller
+        assert c.heartbeat_interval_s < c.heartbeat_timeout_s < cfg.job.pg_timeout_s
+        assert cfg.job.seq_len <= cfg.job.model.args().max_seq_len
+
+
+# -- the README documents the schema --------------------------------------------------------
+
+
+def _dotted_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_dotted_keys(ann, f"{prefix}{name}."))
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def test_dotted_keys_cover_the_schema() -> None:
+    keys = _dotted_keys(ClusterConfig)
+    assert "job.model.preset" in keys
+    assert "controller.heartbeat_timeout_s" in keys
+    assert "name" in keys
+    assert "job.model" not in keys  # sections are walked, not listed
+
+
+def test_readme_documents_every_cluster_yaml_key() -> None:
+    """README.md must name every cluster.yaml key as a dotted key, e.g. `job.model.preset`.
+
+    Fails until README.md exists and documents every field of the schema in
+    controlplane/config.py; the message lists the keys that are missing.
+    """
+    readme = REPO / "README.md"
+    assert readme.is_file(), "README.md does not exist; it must document every cluster.yaml key"
+    text = readme.read_text(encoding="utf-8")
+    missing = []
+    for key in _dotted_keys(ClusterConfig):
+        backticked = f"`{key}`" in text
+        bare = "." in key and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w.])", text)
+        if not (backticked or bare):
+            missing.append(key)
+    assert not missing, f"README.md does not document these cluster.yaml keys: {missing}"

@@ -1,0 +1,365 @@
+"""Store tests against a real SQLite file in tmp_path."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from controlplane.errors import ConfigError, FleetError, NotFoundError, StateError
+from controlplane.lifecycle import AttemptState, JobState
+from controlplane.store import Store
+from fleet_proto import events_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with Store(f"sqlite:///{tmp_path}/state/fleet.db") as s:
+        yield s
+
+
+@pytest.fixture
+def job(store: Store) -> str:
+    job_id = store.create_job("llama", total_steps=100, config_json='{"a": 1}')
+    store.set_job_state(job_id, JobState.PLACING, "placing")
+    assert store.create_attempt(job_id) == 1
+    return job_id
+
+
+def coll(job_id: str, seq: int, state: str = "started", *, rank: int = 0, attempt: int = 1,
+         group: str = "0", op: str = "all_reduce", dur_ns: int = 2_000_000) -> pb.Event:
+    ev = pb.Event()
+    c = ev.collective
+    c.job_id, c.attempt, c.rank, c.group, c.group_size = job_id, attempt, rank, group, 4
+    c.seq, c.op, c.state, c.step = seq, op, state, seq // 10
+    c.input_sizes.add().dims.extend([8, 16])
+    c.input_dtypes.append("float32")
+    c.output_sizes.add().dims.extend([8, 16])
+    c.output_dtypes.append("float32")
+    c.enter_ns = 1_000_000_000 + seq * 10_000_000
+    if state != "started":
+        c.exit_ns = c.enter_ns + dur_ns
+    return ev
+
+
+def step_ev(job_id: str, step: int, *, rank: int = 0, attempt: int = 1) -> pb.Event:
+    ev = pb.Event()
+    s = ev.step
+    s.job_id, s.attempt, s.rank, s.step = job_id, attempt, rank, step
+    s.loss, s.step_time_s, s.tokens_per_s, s.end_ns = 2.5, 0.1, 1000.0, step * 1000
+    return ev
+
+
+# -- lifecycle ----------------------------------------------------------------------------
+
+def test_job_lifecycle_transitions_are_stored(store: Store, job: str) -> None:
+    store.set_job_state(job, JobState.RUNNING, "all ranks up")
+    store.set_job_state(job, JobState.SUCCEEDED, "done")
+    rec = store.get_job(job)
+    assert rec.state is JobState.SUCCEEDED and rec.reason == "done"
+    assert rec.ended_at is not None and rec.attempts == 1 and rec.total_steps == 100
+    assert job.startswith("j-") and len(job) == len("j-20250101-120000-abcd")
+    jobs = [(t.entity, t.from_state, t.to_state) for t in store.transitions(job)]
+    assert jobs == [
+        ("job", None, "PENDING"),
+        ("job", "PENDING", "PLACING"),
+        ("attempt", None, "PLACING"),
+        ("job", "PLACING", "RUNNING"),
+        ("job", "RUNNING", "SUCCEEDED"),
+    ]
+
+
+def test_illegal_transition_raises_and_writes_nothing(store: Store, job: str) -> None:
+    before = store.transitions(job)
+    with pytest.raises(StateError, match="PLACING -> SUCCEEDED"):
+        store.set_job_state(job, JobState.SUCCEEDED)
+    with pytest.raises(StateError):
+        store.set_attempt_state(job, 1, AttemptState.SUCCEEDED)
+    assert store.transitions(job) == before
+    assert store.get_job(job).state is JobState.PLACING
+    assert store.get_attempts(job)[0].state is AttemptState.PLACING
+
+
+def test_attempts(store: Store, job: str) -> None:
+    store.set_attempt_state(job, 1, AttemptState.RUNNING)
+    store.set_attempt_restored(job, 1, 0)
+    store.set_attempt_final_step(job, 1, 42)
+    store.set_attempt_state(job, 1, AttemptState.FAILED, "rank 3 crashed")
+    assert store.create_attempt(job) == 2
+    a1, a2 = store.get_attempts(job)
+    assert (a1.number, a1.state, a1.restored_step, a1.final_step, a1.reason) == (
+        1, AttemptState.FAILED, 0, 42, "rank 3 crashed")
+    assert a1.ended_at is not None and a2.ended_at is None and a2.state is AttemptState.PLACING
+    assert [t.to_state for t in store.transitions(job) if t.attempt == 1] == [
+        "PLACING", "RUNNING", "FAILED"]
+    with pytest.raises(NotFoundError):
+        store.set_attempt_state(job, 9, AttemptState.RUNNING)
+
+
+def test_missing_job(store: Store) -> None:
+    with pytest.raises(NotFoundError, match="j-nope"):
+        store.get_job("j-nope")
+    with pytest.raises(NotFoundError):
+        store.set_job_state("j-nope", JobState.PLACING)
+    with pytest.raises(NotFoundError):
+        store.create_attempt("j-nope")
+
+
+def test_list_jobs_newest_first(store: Store) -> None:
+    ids = [store.create_job(f"j{i}", 10, "{}") for i in range(3)]
+    listed = [j.id for j in store.list_jobs()]
+    assert listed == list(reversed(ids))
+    assert len(store.list_jobs(limit=2)) == 2
+
+
+# -- ingest -------------------------------------------------------------------------------
+
+def test_record_batch_is_idempotent(store: Store, job: str) -> None:
+    events = [coll(job, 1), step_ev(job, 1)]
+    assert store.record_batch("agent-a", 1, 1, events) is True
+    assert store.record_batch("agent-a", 1, 1, [coll(job, 2), step_ev(job, 2)]) is False
+    assert len(store.collectives(job)) == 1 and len(store.steps(job)) == 1
+    assert store.committed_seq("agent-a", 1) == 1
+    assert store.committed_seq("agent-a", 2) == 0
+    assert store.record_batch("agent-a", 2, 1, []) is True  # a new epoch restarts seq
+
+
+def test_collective_started_and_completed_collapse_in_one_batch(store: Store, job: str) -> None:
+    store.record_batch("a", 1, 1, [coll(job, 1), coll(job, 1, "completed"), coll(job, 2)])
+    rows = store.collectives(job)
+    assert [(r.seq, r.state) for r in rows] == [(1, "completed"), (2, "started")]
+    assert rows[0].exit_ns == rows[0].enter_ns + 2_000_000 and rows[1].exit_ns is None
+    assert rows[0].input_sizes == ((8, 16),) and rows[0].output_dtypes == ("float32",)
+
+
+def test_collective_completion_across_batches(store: Store, job: str) -> None:
+    store.record_batch("a", 1, 1, [coll(job, 1), coll(job, 2)])
+    store.record_batch("a", 1, 2, [coll(job, 1, "completed"), coll(job, 2, "failed"),
+                                   coll(job, 3, "completed")])  # start of 3 never seen
+    store.record_batch("a", 1, 3, [coll(job, 3)])  # a late start never undoes completion
+    rows = store.collectives(job)
+    assert [(r.seq, r.state, r.exit_ns is not None) for r in rows] == [
+        (1, "completed", True), (2, "failed", True), (3, "completed", True)]
+
+
+def test_collective_queries_and_summary(store: Store, job: str) -> None:
+    events = []
+    for rank in range(2):
+        for seq in (1, 2, 3, 5):  # rank 1 misses nothing but both skip seq 4
+            events.append(coll(job, seq, rank=rank, op="broadcast" if seq == 1 else "all_reduce"))
+            if not (rank == 1 and seq == 5):
+                events.append(coll(job, seq, "completed", rank=rank, dur_ns=4_000_000))
+    events.append(coll(job, 1, "completed", group="tp", rank=0))
+    store.record_batch("a", 1, 1, events)
+    assert len(store.collectives(job, attempt=1, rank=1, group="0")) == 4
+    assert [r.group for r in store.collectives(job, rank=0)] == ["0"] * 4 + ["tp"]
+    summary = {(s.rank, s.group): s for s in store.collective_summary(job, attempt=1)}
+    s0, s1, tp = summary[0, "0"], summary[1, "0"], summary[0, "tp"]
+    assert (s0.count, s0.first_seq, s0.last_seq, s0.consecutive) == (4, 1, 5, False)
+    assert (s0.completed, s0.last_completed_seq) == (4, 5)
+    assert (s1.completed, s1.last_completed_seq) == (3, 3)
+    assert dict(s0.ops) == {"broadcast": 1, "all_reduce": 3}
+    assert s0.mean_duration_ms == pytest.approx(4.0)
+    assert tp.consecutive and tp.count == 1 and tp.mean_duration_ms == pytest.approx(2.0)
+    assert store.collective_summary(job, attempt=2) == []
+
+
+def test_steps_status_checkpoints(store: Store, job: str) -> None:
+    status = pb.Event()
+    w = status.status
+    w.job_id, w.attempt, w.rank, w.state, w.restored_step = job, 1, 0, pb.WorkerStatus.RESTORED, 20
+    w.pid, w.hostname, w.time_ns, w.phase_s = 123, "h1", 5, 1.5
+    ckpt = pb.Event()
+    c = ckpt.checkpoint
+    c.job_id, c.attempt, c.rank, c.step, c.path = job, 1, 0, 30, "/ckpt/30"
+    c.manifest_sha256, c.save_s, c.time_ns = "ab" * 32, 2.0, 1_700_000_000_000_000_000
+    events = [step_ev(job, s, rank=r) for s in (21, 22, 23) for r in (1, 0)]
+    store.record_batch("a", 1, 1, [status, ckpt, *events])
+    assert [(s.step, s.rank) for s in store.steps(job)] == [
+        (21, 0), (21, 1), (22, 0), (22, 1), (23, 0), (23, 1)]
+    assert [s.step for s in store.steps(job, attempt=1, rank=1)] == [21, 22, 23]
+    assert store.last_step(job) == 23 and store.last_step(job, attempt=2) == 0
+    assert store.get_job(job).steps_completed == 23
+    assert store.get_attempts(job)[0].restored_step == 20
+    (ws,) = store.worker_status(job, attempt=1)
+    assert (ws.state, ws.pid, ws.hostname, ws.restored_step) == ("RESTORED", 123, "h1", 20)
+    latest = store.latest_valid_checkpoint(job)
+    assert latest is not None and (latest.step, latest.valid) == (30, True)
+    assert latest.created_at == pytest.approx(1_700_000_000.0)
+    assert store.latest_valid_checkpoint(job, before_step=30) is None
+    store.invalidate_checkpoint(job, 30)
+    assert store.latest_valid_checkpoint(job) is None
+    assert [k.valid for k in store.checkpoints(job)] == [False]
+
+
+# -- nodes, ranks, incidents, actions ------------------------------------------------------
+
+def test_nodes_ranks_incidents_actions(store: Store, job: str) -> None:
+    store.upsert_node("n1", "ray-1", "host1", '{"CPU": 8}')
+    store.quarantine_node("n1", "GEMM known-answer mismatch")
+    store.upsert_node("n1", "ray-1b", "host1", '{"CPU": 8}')  # re-register keeps quarantine
+    store.touch_node("n1")
+    (n1,) = store.list_nodes()
+    assert (n1.ray_node_id, n1.state, n1.quarantine_reason) == (
+        "ray-1b", "quarantined", "GEMM known-answer mismatch")
+    store.release_node("n1")
+    assert store.list_nodes()[0].state == "healthy"
+    with pytest.raises(NotFoundError):
+        store.touch_node("n9")
+
+    store.record_rank(job, 1, 0, "n1", 100)
+    store.record_rank(job, 1, 1, "n1", 101)
+    store.record_rank(job, 1, 1, "n2", 201)  # corrected placement
+    assert [(r.rank, r.node, r.pid) for r in store.ranks(job, 1)] == [
+        (0, "n1", 100), (1, "n2", 201)]
+
+    iid = store.record_incident(job, 1, "hang", "hang-detector", "rank 1 never entered seq 7",
+                                rank=1, node="n2")
+    (inc,) = store.incidents(job)
+    assert (inc.id, inc.rank, inc.node, inc.kind) == (iid, 1, "n2", "hang")
+    aid = store.record_action(job, 1, "restart", f"incident {iid}")
+    assert [(a.id, a.kind) for a in store.actions(job)] == [(aid, "restart")]
+    with pytest.raises(ValueError):
+        store.record_action(job, 1, "reboot", "x")
+    with pytest.raises(NotFoundError):
+        store.record_incident("j-nope", 1, "hang", "d", "e")
+
+    store.record_health("n1", 10, 50.0, 1.5, 1 << 30, 1 << 34, 4)
+    (h,) = store.health_samples("n1")
+    assert (h.time_ns, h.workers_alive) == (10, 4)
+
+
+# -- construction ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("url", [
+    "not a url",
+    "mysql://fleet:s3cret@db.example/fleet",
+    "nosuchdb://fleet:s3cret@db.example/fleet",
+])
+def test_bad_url(url: str) -> None:
+    with pytest.raises(FleetError) as err:
+        Store(url)
+    assert "s3cret" not in str(err.value)
+    assert isinstance(err.value, ConfigError)
+    assert url.split("@")[-1] in str(err.value)
+
+
+def test_sqlite_folder_that_cannot_be_created(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="cannot create folder"):
+        Store(f"sqlite:///{tmp_path}/file/sub/fleet.db")
+
+
+def test_closed_store_refuses(tmp_path: Path) -> None:
+    s = Store(f"sqlite:///{tmp_path}/fleet.db")
+    s.close()
+    s.close()
+    with pytest.raises(StateError, match="closed"):
+        s.list_jobs()
+
+
+def test_reopen_keeps_data(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/fleet.db"
+    with Store(url) as s:
+        job_id = s.create_job("x", 1, "{}")
+    with Store(url) as s:
+        assert s.get_job(job_id).name == "x"
+
+
+# -- concurrency and throughput ------------------------------------------------------------
+
+def test_concurrent_writers_lose_nothing(store: Store, job: str) -> None:
+    n_threads, n_batches, per_batch = 4, 50, 10
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def writer(t: int) -> None:
+        try:
+            for b in range(1, n_batches + 1):
+                events = [coll(job, b, rank=t, group=f"g{i}") for i in range(per_batch)]
+                events += [coll(job, b, "completed", rank=t, group=f"g{i}")
+                           for i in range(per_batch)]
+                events.append(step_ev(job, b, rank=t))
+                assert store.record_batch(f"agent-{t}", 1, b, events)
+        except BaseException as e:  # surfaced by the main thread below
+            errors.append(e)
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                store.collective_summary(job)
+                store.last_step(job)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(t,), name=f"writer-{t}")
+               for t in range(n_threads)]
+    threads.append(threading.Thread(target=reader, name="reader"))
+    for th in threads:
+        th.start()
+    for th in threads[:-1]:
+        th.join(timeout=60)
+    stop.set()
+    threads[-1].join(timeout=10)
+    assert not any(th.is_alive() for th in threads)
+    assert errors == []
+    rows = store.collectives(job)
+    assert len(rows) == n_threads * n_batches * per_batch
+    assert all(r.state == "completed" for r in rows)
+    assert len(store.steps(job)) == n_threads * n_batches
+    assert all(store.committed_seq(f"agent-{t}", 1) == n_batches for t in range(n_threads))
+
+
+def test_in_memory_store_is_shared_between_threads() -> None:
+    with Store("sqlite://") as s:
+        job_id = s.create_job("m", 1, "{}")
+        errors: list[BaseException] = []
+
+        def work(t: int) -> None:
+            try:
+                for b in range(1, 21):
+                    assert s.record_batch(f"m{t}", 1, b, [step_ev(job_id, b, rank=t)])
+                    s.get_job(job_id)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,), name=f"mem-{t}") for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=30)
+        assert errors == [] and len(s.steps(job_id)) == 80
+
+
+def test_throughput_report(store: Store, job: str, capsys: pytest.CaptureFixture) -> None:
+    """Not asserted: prints collective events/s that record_batch sustains on SQLite."""
+    n_batches, size = 20, 1000
+    ops = size // 2
+    # Same-batch pairs: each op's start and completion in one batch of 1000 events.
+    batches = [[e for k in range(ops) for e in (
+        coll(job, b * ops + k, rank=k % 8), coll(job, b * ops + k, "completed", rank=k % 8))]
+        for b in range(n_batches)]
+    t0 = time.perf_counter()
+    for i, events in enumerate(batches):
+        store.record_batch("perf-1", 1, i + 1, events)
+    same = n_batches * size / (time.perf_counter() - t0)
+    # Split: 1000 starts in one batch, their 1000 completions (updates) in the next.
+    base = n_batches * ops + 1
+    split = []
+    for b in range(n_batches // 2):
+        seqs = range(base + b * size, base + (b + 1) * size)
+        split.append([coll(job, s, rank=1) for s in seqs])
+        split.append([coll(job, s, "completed", rank=1) for s in seqs])
+    t0 = time.perf_counter()
+    for i, events in enumerate(split):
+        store.record_batch("perf-2", 1, i + 1, events)
+    cross = n_batches * size / (time.perf_counter() - t0)
+    with capsys.disabled():
+        print(f"\nrecord_batch on SQLite, batches of {size} collective events: "
+              f"{same:,.0f} events/s (start+completion in one batch), "
+              f"{cross:,.0f} events/s (completions in a later batch)")
+    assert len(store.collectives(job)) == n_batches * ops + n_batches // 2 * size

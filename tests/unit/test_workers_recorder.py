@@ -1,0 +1,82 @@
+"""workers/recorder.py with real 2-rank gloo process groups on 127.0.0.1."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fleet_proto import events_pb2
+from tests.unit.test_workers_support import run_ranks
+from workers.recorder import FlightRecorder
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _record_some(rank: int, world_size: int, port: int) -> list[bytes]:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=30))
+    try:
+        events: list[events_pb2.Event] = []
+        rec = FlightRecorder("job", 2, rank, events.append)
+        sub = dist.new_group([0, 1])
+        rec.set_step(1)
+        rec.barrier()
+        t = torch.full((3, 2), float(rank + 1))
+        rec.all_reduce(t)
+        assert torch.equal(t, torch.full((3, 2), 3.0))
+        rec.all_reduce(torch.ones(4, dtype=torch.float64), group=sub)
+        rec.step = 2
+        b = torch.tensor([rank * 10], dtype=torch.int64)
+        rec.broadcast(b, src=1)
+        assert b.item() == 10
+        out = torch.empty(4, dtype=torch.bfloat16)
+        rec.all_gather_into_tensor(out, torch.full((2,), float(rank), dtype=torch.bfloat16), group=sub)
+        assert out.tolist() == [0.0, 0.0, 1.0, 1.0]
+        rec.barrier(group=sub)
+        with pytest.raises((ValueError, RuntimeError)):
+            # Wrong output size: fails on every rank before any data moves.
+            rec.all_gather_into_tensor(torch.empty(3), torch.ones(2))
+        assert rec.last_seq() == 4 and rec.last_seq(sub) == 3
+        return [e.SerializeToString() for e in events]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_records_every_collective_with_per_group_sequence_numbers():
+    raw = run_ranks(_record_some, 2)
+    for rank in (0, 1):
+        events = [events_pb2.Event.FromString(b).collective for b in raw[rank]]
+        assert all(e.rank == rank and e.job_id == "job" and e.attempt == 2 for e in events)
+        # started / finished pairs, same seq, entry before exit.
+        assert len(events) == 14
+        for started, done in zip(events[::2], events[1::2]):
+            assert started.state == "started" and started.exit_ns == 0
+            assert done.state in ("completed", "failed")
+            assert (done.seq, done.group, done.op) == (started.seq, started.group, started.op)
+            assert started.enter_ns == done.enter_ns <= done.exit_ns
+        done = events[1::2]
+        world = [e for e in done if e.group == "0"]
+        subs = [e for e in done if e.group != "0"]
+        assert [e.seq for e in world] == [1, 2, 3, 4]
+        assert [e.op for e in world] == ["barrier", "all_reduce", "broadcast", "all_gather_into_tensor"]
+        assert [e.state for e in world] == ["completed"] * 3 + ["failed"]
+        assert [e.seq for e in subs] == [1, 2, 3]
+        assert [e.op for e in subs] == ["all_reduce", "all_gather_into_tensor", "barrier"]
+        assert len({e.group for e in subs}) == 1
+        assert all(e.group_size == 2 for e in done)
+        assert [e.step for e in done] == [1, 1, 1, 2, 2, 2, 2]
+        ar = world[1]
+        assert [list(s.dims) for s in ar.input_sizes] == [[3, 2]] and list(ar.input_dtypes) == ["float32"]
+        assert [list(s.dims) for s in ar.output_sizes] == [[3, 2]]
+        ag = subs[1]
+        assert [list(s.dims) for s in ag.input_sizes] == [[2]]
+        assert [list(s.dims) for s in ag.output_sizes] == [[4]]
+        assert list(ag.output_dtypes) == ["bfloat16"]
+        assert list(world[0].input_sizes) == [] and list(world[0].input_dtypes) == []
+    # Both ranks name the groups alike, so the controller can match them.
+    names = [{e.collective.group for e in map(events_pb2.Event.FromString, raw[r])} for r in (0, 1)]
+    assert names[0] == names[1]

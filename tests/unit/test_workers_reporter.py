@@ -1,0 +1,171 @@
+"""workers/reporter.py against a real NodeAgent gRPC server on 127.0.0.1, and the
+reporter's key promise: it keeps shipping while the main thread is stuck in a collective."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fleet_proto import events_pb2
+from tests.unit.test_workers_support import AgentServer, Ranks, free_port, wait_for_gate
+from workers.recorder import FlightRecorder
+from workers.reporter import Reporter
+from workers.spec import WorkerSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _spec(address: str, rank: int = 0, interval_s: float = 0.02) -> WorkerSpec:
+    return WorkerSpec(job_id="job", attempt=1, rank=rank, world_size=2, node_name="n0",
+                      master_addr="127.0.0.1", master_port=0, agent_address=address,
+                      checkpoint_dir="/nonexistent", report_interval_s=interval_s)
+
+
+def _step(n: int) -> events_pb2.Event:
+    return events_pb2.Event(step=events_pb2.StepEvent(job_id="job", step=n))
+
+
+@pytest.fixture
+def agent():
+    server = AgentServer()
+    yield server
+    server.stop()
+
+
+def _until(predicate, timeout_s: float) -> bool:
+    """Poll ``predicate`` every 20 ms for at most ``timeout_s``; for state with no notifier."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_delivers_events_in_order_with_identity(agent):
+    with Reporter(_spec(agent.address, rank=1)) as rep:
+        assert rep._thread.name == "fleet-reporter-r1" and rep._thread.daemon
+        for n in range(50):
+            rep.emit(_step(n))
+        agent.wait_for(lambda a: len(a.events) == 50)
+    assert [e.step.step for _, e in agent.events] == list(range(50))
+    assert {r for r, _ in agent.events} == {1}
+    assert rep.sent == 50 and rep.pending == 0 and rep.dropped == 0
+
+
+def test_close_flushes_what_is_buffered(agent):
+    rep = Reporter(_spec(agent.address, interval_s=30.0))  # no periodic tick during the test
+    for n in range(10):
+        rep.emit(_step(n))
+    rep.close()
+    assert len(agent.events) == 10
+    rep.emit(_step(99))  # after close: dropped, not an error
+    assert rep.dropped == 1
+
+
+def test_polls_without_events_and_passes_commands(agent):
+    got: list[events_pb2.Command] = []
+    done = threading.Event()
+
+    def on_command(cmd):
+        got.append(cmd)
+        done.set()
+
+    agent.send(0, events_pb2.Command(command_id="c1", rank=0, fault=events_pb2.FaultSpec(kind="crash", at_step=9)))
+    agent.send(0, events_pb2.Command(command_id="c2", rank=5, stop=True))  # not ours: ignored
+    with Reporter(_spec(agent.address), on_command):
+        assert done.wait(10)
+        agent.wait_for(lambda a: a.reports >= 2)
+    assert [c.command_id for c in got] == ["c1"] and got[0].fault.at_step == 9
+
+
+def test_command_handler_errors_do_not_kill_the_thread(agent):
+    calls = []
+
+    def bad(cmd):
+        calls.append(cmd.command_id)
+        raise RuntimeError("boom")
+
+    agent.send(0, events_pb2.Command(command_id="c1", rank=0, stop=True))
+    with Reporter(_spec(agent.address), bad) as rep:
+        agent.wait_for(lambda a: a.reports >= 2)
+        rep.emit(_step(1))
+        agent.wait_for(lambda a: len(a.events) == 1)
+        assert rep._thread.is_alive()
+    assert calls == ["c1"]
+
+
+def test_keeps_events_while_agent_is_down_and_delivers_when_it_comes_up():
+    port = free_port()
+    rep = Reporter(_spec(f"127.0.0.1:{port}"), call_timeout_s=0.5)
+    try:
+        for n in range(20):
+            rep.emit(_step(n))
+        assert _until(lambda: rep.send_failures >= 1, timeout_s=10)  # the retry path runs
+        assert rep.send_failures >= 1 and rep.pending == 20 and rep._thread.is_alive()
+        agent = AgentServer(port)
+        try:
+            agent.wait_for(lambda a: len(a.events) == 20)
+            assert [e.step.step for _, e in agent.events] == list(range(20))
+        finally:
+            rep.close()
+            agent.stop()
+    finally:
+        rep.close()
+
+
+def test_buffer_is_bounded_and_drops_oldest():
+    rep = Reporter(_spec(f"127.0.0.1:{free_port()}", interval_s=30.0), max_buffered=5)
+    try:
+        for n in range(8):
+            rep.emit(_step(n))
+        assert rep.pending == 5 and rep.dropped == 3
+        assert [e.step.step for e in rep._buffer] == [3, 4, 5, 6, 7]
+    finally:
+        rep.close(timeout_s=0.5)
+
+
+def test_discard_mode_runs_no_thread():
+    for address in ("", None):
+        with Reporter(_spec(address)) as rep:
+            assert not rep.enabled
+            rep.emit(_step(1))
+            assert rep.dropped == 1
+
+
+# ---- the reporter while the main thread is blocked in a collective ---------------------
+
+def _hang_then_join(rank: int, world_size: int, port: int, agent_address: str) -> int:
+    spec = _spec(agent_address, rank=rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=30))
+    try:
+        with Reporter(spec) as rep:
+            rec = FlightRecorder("job", 1, rank, rep.emit)
+            if rank == 1:
+                # Rank 1 is "late": it joins only once the test has seen rank 0 inside the op.
+                wait_for_gate(30)
+            rec.all_reduce(torch.ones(2))
+        return rec.last_seq()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_started_event_arrives_while_rank_is_blocked_in_collective(agent):
+    ranks = Ranks(_hang_then_join, 2, (agent.address,))
+    try:
+        agent.wait_for(lambda a: any(c.state == "started" for c in a.of_kind("collective", rank=0)),
+                       timeout_s=40)
+        # Rank 0 is inside all_reduce and rank 1 has not entered: exactly what the agent sees.
+        states = [(r, e.collective.state) for r, e in agent.events if e.WhichOneof("kind") == "collective"]
+        assert states == [(0, "started")]
+    finally:
+        ranks.open_gate()
+        result = ranks.wait(60)
+    assert result == {0: 1, 1: 1}
+    assert len(agent.of_kind("collective")) == 4  # both ranks flushed on close

@@ -1,0 +1,212 @@
+"""Ships this rank's events to its node agent and hands back the agent's commands.
+
+``Reporter`` owns one background daemon thread (``fleet-reporter-r{rank}``) and one
+insecure gRPC channel to ``spec.agent_address``. Every ``spec.report_interval_s`` the
+thread takes everything buffered by ``emit`` and sends it in one
+``NodeAgent.Report(WorkerReport)`` call, then passes each returned ``Command`` to
+``on_command``. It polls even with nothing to send, so commands still arrive.
+
+Invariants:
+  * ``emit`` never blocks on the network; it is safe from any thread.
+  * The thread keeps running while the main thread sits inside a collective (gloo
+    releases the GIL), which is exactly when the events matter.
+  * Nothing is lost on a failed send: the batch goes back to the front of the buffer
+    and is retried next tick. The buffer is bounded (``max_buffered``); beyond it the
+    oldest events are dropped and counted in ``dropped``.
+  * The thread never dies silently: each tick's errors are caught and logged.
+
+With ``agent_address`` empty/None the reporter runs no thread and discards events
+(unit tests, or torchrun without an agent).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import grpc
+
+from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from workers.spec import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+CommandHandler = Callable[[events_pb2.Command], None]
+
+#: Events per Report call; keeps each message far below gRPC's 4 MiB default limit.
+MAX_EVENTS_PER_REPORT = 5_000
+
+
+class Reporter:
+    """Buffered, background event shipping for one rank (a context manager)."""
+
+    def __init__(self, spec: WorkerSpec, on_command: CommandHandler | None = None, *,
+                 call_timeout_s: float = 2.0, max_buffered: int = 100_000) -> None:
+        self.spec = spec
+        self.on_command = on_command
+        self.call_timeout_s = call_timeout_s
+        self.max_buffered = max_buffered
+        self.sent = 0            # events acknowledged by the agent
+        self.dropped = 0         # events discarded (buffer full, or discard mode)
+        self.send_failures = 0   # Report calls that failed
+        self.commands_received = 0
+        self._buffer: deque[events_pb2.Event] = deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._closed = False
+        self._final_deadline = 0.0  # monotonic seconds; set by close()
+        self._channel: grpc.Channel | None = None
+        self._stub: agent_pb2_grpc.NodeAgentStub | None = None
+        self._thread: threading.Thread | None = None
+        if spec.agent_address:
+            self._channel = grpc.insecure_channel(spec.agent_address)
+            self._stub = agent_pb2_grpc.NodeAgentStub(self._channel)
+            self._thread = threading.Thread(
+                target=self._loop, name=f"fleet-reporter-r{spec.rank}", daemon=True)
+            self._thread.start()
+
+    @property
+    def enabled(self) -> bool:
+        """True when events go to an agent, False in discard mode."""
+        return self._thread is not None
+
+    @property
+    def pending(self) -> int:
+        """Events buffered and not yet acknowledged by the agent."""
+        with self._lock:
+            return len(self._buffer)
+
+    def emit(self, event: events_pb2.Event) -> None:
+        """Queue ``event`` for the next report. Thread-safe; never blocks on I/O."""
+        if self._thread is None or self._closed:
+            self.dropped += 1
+            return
+        with self._lock:
+            if len(self._buffer) >= self.max_buffered:
+                self._buffer.popleft()
+                self.dropped += 1
+            self._buffer.append(event)
+
+    def flush_soon(self) -> None:
+        """Ask the thread to report now instead of at the next interval."""
+        self._wake.set()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is buffered (bounded by ``timeout_s`` seconds), then stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._final_deadline = time.monotonic() + timeout_s
+            self._stop.set()
+            self._wake.set()
+            self._thread.join(timeout=timeout_s + self.call_timeout_s)
+            if self._thread.is_alive():
+                log.warning("reporter thread %s did not stop within %.1fs", self._thread.name, timeout_s)
+            left = self.pending
+            if left:
+                log.warning("reporter closing with %d unsent events", left)
+        if self._channel is not None:
+            self._channel.close()
+        if self.dropped and self.enabled:
+            log.warning("reporter dropped %d events (buffer limit %d)", self.dropped, self.max_buffered)
+
+    def __enter__(self) -> Reporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        failing = False
+        try:
+            while not self._stop.is_set():
+                self._wake.wait(self.spec.report_interval_s)
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
+                try:
+                    self._send_all()
+                    if failing:
+                        log.info("reporter reconnected to agent %s", self.spec.agent_address)
+                    failing = False
+                except Exception as exc:  # noqa: BLE001 - the thread must survive anything
+                    # Log the first failure of a run of failures, not one line per tick.
+                    if not failing:
+                        log.warning("reporter: report to %s failed (%s); retrying every %.2fs",
+                                    self.spec.agent_address, _describe(exc), self.spec.report_interval_s)
+                    failing = True
+            self._final_flush()
+        except BaseException:
+            log.exception("reporter thread crashed")
+            raise
+
+    def _final_flush(self) -> None:
+        deadline = self._final_deadline
+        self._wake.clear()
+        while time.monotonic() < deadline:
+            try:
+                # Never let one slow call run past the deadline close() promised.
+                self._send_all(min(self.call_timeout_s, max(0.05, deadline - time.monotonic())))
+                return
+            except Exception as exc:  # noqa: BLE001
+                log.warning("reporter: final flush failed (%s)", _describe(exc))
+                # Short pause so an agent that is restarting can come back before the deadline.
+                self._wake.wait(min(self.spec.report_interval_s, max(0.0, deadline - time.monotonic())))
+
+    def _send_all(self, timeout_s: float | None = None) -> None:
+        """Send every buffered event (in chunks); at least one call even if there are none.
+
+        ``timeout_s`` bounds each call (default ``call_timeout_s``)."""
+        while True:
+            with self._lock:
+                n = min(len(self._buffer), MAX_EVENTS_PER_REPORT)
+                batch = [self._buffer.popleft() for _ in range(n)]
+            try:
+                self._send(batch, timeout_s or self.call_timeout_s)
+            except BaseException:
+                self._requeue(batch)
+                raise
+            if n < MAX_EVENTS_PER_REPORT:
+                return
+
+    def _send(self, batch: list[events_pb2.Event], timeout_s: float) -> None:
+        assert self._stub is not None
+        report = agent_pb2.WorkerReport(
+            job_id=self.spec.job_id, attempt=self.spec.attempt, rank=self.spec.rank, events=batch)
+        reply = self._stub.Report(report, timeout=timeout_s)
+        self.sent += len(batch)
+        for cmd in reply.commands:
+            self.commands_received += 1
+            if cmd.rank not in (-1, self.spec.rank):
+                log.warning("ignoring command %s addressed to rank %d", cmd.command_id, cmd.rank)
+                continue
+            if self.on_command is None:
+                continue
+            try:
+                self.on_command(cmd)
+            except Exception:  # noqa: BLE001 - a bad command must not stop reporting
+                log.exception("command handler failed for command %s", cmd.command_id)
+
+    def _requeue(self, batch: list[events_pb2.Event]) -> None:
+        self.send_failures += 1
+        if not batch:
+            return
+        with self._lock:
+            self._buffer.extendleft(reversed(batch))
+            # Keep the newest events: they say where each rank is now.
+            while len(self._buffer) > self.max_buffered:
+                self._buffer.popleft()
+                self.dropped += 1
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return repr(exc)
