@@ -54,7 +54,9 @@ class ControllerConfig(_Section):
         1.0, gt=0, le=600, description="Seconds between agent heartbeats."
     )
     heartbeat_timeout_s: float = Field(
-        10.0, gt=0, le=3600, description="An agent silent this long is considered lost."
+        10.0, gt=0, le=3600,
+        description="Silence after which an agent counts as lost. Must lie between "
+        "heartbeat_interval_s and job.pg_timeout_s (agent-loss detection itself is not built yet).",
     )
     agent_start_timeout_s: float = Field(
         60.0, gt=0, le=3600, description="Seconds to wait for every node agent to connect."

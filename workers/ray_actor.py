@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 
-from workers import train
+from workers.rendezvous import listen_on
 from workers.spec import WorkerSpec
 
 
@@ -31,11 +31,13 @@ class WorkerActor:
         other process can take the port in between.
         """
         if self._listen is None:
-            self._listen = train.listen_on(host, 0)
+            self._listen = listen_on(host, 0)
         return self._listen.getsockname()[1]
 
     def run(self, spec: WorkerSpec) -> dict:
         """Train this rank (see ``workers.train.run``); returns its result dict."""
+        from workers import train  # torch loads here, in the worker process only
+
         sock, self._listen = self._listen, None
         try:
             return train.run(spec, listen_socket=sock)

@@ -76,3 +76,4 @@ class WorkerSpec:
     pg_timeout_s: float = 60.0
     report_interval_s: float = 0.1
     env: dict[str, str] = field(default_factory=dict)  # set before the process group starts
+    external_store: bool = False  # a launcher (torchrun's agent) already serves the TCPStore

@@ -21,9 +21,11 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
 from datetime import timedelta
@@ -37,6 +39,7 @@ from workers import checkpoint, data
 from workers.faults import FaultHooks
 from workers.model import Transformer
 from workers.recorder import FlightRecorder
+from workers.rendezvous import rendezvous_store
 from workers.reporter import Reporter
 from workers.spec import PRESETS, TrainArgs, WorkerSpec
 
@@ -102,34 +105,6 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None) -> dict:
         reporter.close()
 
 
-def listen_on(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on exactly host:port (port 0 = any free port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    return sock
-
-
-def _rendezvous(spec: WorkerSpec, listen_socket: socket.socket | None) -> dist.TCPStore:
-    """The process group's TCPStore.
-
-    Rank 0 serves it on a socket bound to master_addr only: torch's own TCPStore server
-    listens on every interface, which a loopback-only deployment must not do.
-    """
-    timeout = timedelta(seconds=spec.pg_timeout_s)
-    if spec.rank != 0:
-        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
-    sock = listen_socket or listen_on(spec.master_addr, spec.master_port)
-    store = dist.TCPStore(
-        spec.master_addr, sock.getsockname()[1], spec.world_size, True, timeout,
-        wait_for_workers=False, master_listen_fd=sock.fileno(),
-    )
-    sock.detach()  # the store now owns (and eventually closes) the descriptor
-    return store
-
-
 def _train(
     spec: WorkerSpec, hooks: FaultHooks, reporter: Reporter, emit: _Emitter,
     listen_socket: socket.socket | None = None,
@@ -139,16 +114,19 @@ def _train(
 
     t0 = time.perf_counter()
     dist.init_process_group(
-        "gloo", store=_rendezvous(spec, listen_socket), rank=spec.rank,
+        "gloo", store=rendezvous_store(spec, listen_socket), rank=spec.rank,
         world_size=spec.world_size, timeout=timedelta(seconds=spec.pg_timeout_s))
-    emit.status(Status.PG_READY, phase_s=time.perf_counter() - t0)
+    pg_init_s = time.perf_counter() - t0
+    emit.status(Status.PG_READY, phase_s=pg_init_s)
 
     t0 = time.perf_counter()
     model = Transformer(spec.model, seed=train.seed)  # same seed everywhere: no broadcast needed
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr)
     restored = _restore(spec, recorder, model, optimizer)
-    emit.status(Status.RESTORED, phase_s=time.perf_counter() - t0, restored_step=restored)
+    restore_s = time.perf_counter() - t0
+    emit.status(Status.RESTORED, phase_s=restore_s, restored_step=restored)
     emit.status(Status.TRAINING)
+    t_train = time.perf_counter()
 
     params = [p for p in model.parameters() if p.requires_grad]
     numels = [p.numel() for p in params]
@@ -186,7 +164,10 @@ def _train(
         if stopped:
             log.info("rank %d: stopping after step %d by command", spec.rank, step)
             break
-    return {"rank": spec.rank, "final_step": step, "restored_step": restored, "stopped": stopped}
+    return {
+        "rank": spec.rank, "final_step": step, "restored_step": restored, "stopped": stopped,
+        "pg_init_s": pg_init_s, "restore_s": restore_s, "train_s": time.perf_counter() - t_train,
+    }
 
 
 def _checkpoint_due(train: TrainArgs, step: int, stopping: bool) -> bool:
@@ -246,6 +227,7 @@ def spec_from_torchrun(argv: list[str] | None = None) -> WorkerSpec:
         model=PRESETS[args.preset],
         train=TrainArgs(steps=args.steps, checkpoint_interval=args.checkpoint_interval),
         pg_timeout_s=args.pg_timeout_s,
+        external_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 
@@ -255,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     result = run(spec_from_torchrun(argv))
     log.info("rank %d finished at step %d (restored from %d)",
              result["rank"], result["final_step"], result["restored_step"])
+    # one machine-readable line per rank, for bench/startup.py's torchrun comparison
+    sys.stdout.write(f"FLEET_WORKER_RESULT {json.dumps(result)}\n")  # one write: ranks share stdout
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -362,3 +362,16 @@ def test_readme_documents_every_cluster_yaml_key() -> None:
         if not (backticked or bare):
             missing.append(key)
     assert not missing, f"README.md does not document these cluster.yaml keys: {missing}"
+
+
+def test_readme_reference_is_generated_from_the_schema() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(repo / "scripts" / "gen_config_reference.py"), "--check", str(repo / "README.md")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr

@@ -54,8 +54,11 @@ def _losses(agent: AgentServer, rank: int, attempt: int) -> dict[int, float]:
 
 def test_train_restore_is_bit_identical(agent, tmp_path):
     full, split = str(tmp_path / "full"), str(tmp_path / "split")
-    assert run_ranks(_run, 2, (agent.address, full, 20, 0)) == {
+    keys = ("rank", "final_step", "restored_step", "stopped")
+    results = run_ranks(_run, 2, (agent.address, full, 20, 0))
+    assert {r: {k: v[k] for k in keys} for r, v in results.items()} == {
         r: {"rank": r, "final_step": 20, "restored_step": 0, "stopped": False} for r in (0, 1)}
+    assert all(v["train_s"] > 0 and v["pg_init_s"] > 0 for v in results.values())
     assert run_ranks(_run, 2, (agent.address, split, 10, 1))[0]["final_step"] == 10
     resumed = run_ranks(_run, 2, (agent.address, split, 20, 2))
     assert {r: (v["restored_step"], v["final_step"]) for r, v in resumed.items()} == {0: (10, 20), 1: (10, 20)}
