@@ -61,6 +61,9 @@ def up(
             console=err_console,
             transient=json_out,
             disable=json_out,
+            # leave fd-level stdout alone: _stdout_to sends Ray's chatter to the log
+            redirect_stdout=False,
+            redirect_stderr=False,
         )
         task = bar.add_task("job", total=config.job.steps, job="(new job)", state="PENDING", attempt=0, msg="")
 
@@ -69,7 +72,7 @@ def up(
 
         controller = Controller(config, store, config_json=config.model_dump_json(), on_progress=show)
         try:
-            with _stdout_to_stderr(), bar:
+            with _stdout_to(log_path), bar:
                 result = controller.run()
         except KeyboardInterrupt:
             raise Interrupted(
@@ -122,15 +125,18 @@ def _worker_phases(store: Store, job_id: str) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """Send everything written to fd 1 to stderr for a while.
+def _stdout_to(path: Path) -> Iterator[None]:
+    """Append everything written to fd 1 to ``path`` for a while.
 
-    Ray's driver prints cluster messages (e.g. "A worker died ...") to stdout; while the
-    job runs, stdout must stay clean so that `fleet up --json` prints only its JSON.
+    Ray's driver prints cluster messages (e.g. "A worker died ...") straight to stdout;
+    while the job runs they belong in the log, not in the terminal between progress
+    updates, and `fleet up --json` must print nothing but its JSON.
     """
     sys.stdout.flush()
     saved = os.dup(1)
-    os.dup2(2, 1)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.close(fd)
     try:
         yield
     finally:
