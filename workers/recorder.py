@@ -1,10 +1,14 @@
 """The flight recorder: every collective this rank issues, as it enters and as it leaves.
 
-``FlightRecorder`` wraps the ``torch.distributed`` collectives the training loop uses.
-Each call emits two ``CollectiveEvent``s through ``sink``: ``state="started"`` at entry
-(with ``exit_ns = 0``) and ``"completed"`` or ``"failed"`` at exit, both carrying the
-same sequence number. Emitting at entry is the point: when a collective hangs, the
-agent already knows which ranks entered it and which never did.
+``FlightRecorder`` wraps the ``torch.distributed`` collectives the training loop itself
+issues. With a ``NativeFlightTail`` attached (the default in training; see
+workers/native_fr.py) PyTorch's native recorder is the source of truth for *every*
+collective, FSDP's and DCP's included, and the wrappers only contribute precise exit
+times. Without one (a torch build without the native recorder), each wrapped call
+emits two ``CollectiveEvent``s through ``sink``: ``state="started"`` at entry (with
+``exit_ns = 0``) and ``"completed"`` or ``"failed"`` at exit, both carrying the same
+sequence number. Emitting at entry is the point: when a collective hangs, the agent
+already knows which ranks entered it and which never did.
 
 Invariants:
   * Sequence numbers are per process group (keyed by the group's ``group_name``; the
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from fleet_proto import events_pb2
+from workers.native_fr import NativeFlightTail
 
 Sink = Callable[[events_pb2.Event], None]
 
@@ -44,7 +49,9 @@ class FlightRecorder:
     assign ``recorder.step``) at the top of each step.
     """
 
-    def __init__(self, job_id: str, attempt: int, rank: int, sink: Sink) -> None:
+    def __init__(self, job_id: str, attempt: int, rank: int, sink: Sink,
+                 tail: NativeFlightTail | None = None) -> None:
+        self.tail = tail
         self.job_id = job_id
         self.attempt = attempt
         self.rank = rank
@@ -57,6 +64,8 @@ class FlightRecorder:
     def set_step(self, step: int) -> None:
         """Stamp subsequent collectives with training step ``step``."""
         self.step = step
+        if self.tail is not None:
+            self.tail.step_started(step)
 
     def last_seq(self, group: dist.ProcessGroup | None = None) -> int:
         """The sequence number of the latest collective issued on ``group`` (0 if none)."""
@@ -112,6 +121,13 @@ class FlightRecorder:
     def _run(self, op: str, group: dist.ProcessGroup | None, inputs: Sequence[torch.Tensor],
              outputs: Sequence[torch.Tensor], call: Callable[[], object]) -> None:
         name, size = self._info(group)
+        if self.tail is not None:
+            enter_ns = time.time_ns()
+            try:
+                call()
+            finally:
+                self.tail.timed(name, enter_ns, time.time_ns())
+            return
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq
         event = events_pb2.Event()

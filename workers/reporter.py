@@ -62,6 +62,9 @@ class Reporter:
         self._channel: grpc.Channel | None = None
         self._stub: agent_pb2_grpc.NodeAgentStub | None = None
         self._thread: threading.Thread | None = None
+        # (poll, interval_s, next due) run on the reporter thread before each report
+        self._sources: list[list] = []
+        self._source_failing: set[int] = set()
         if spec.agent_address:
             self._channel = grpc.insecure_channel(spec.agent_address)
             self._stub = agent_pb2_grpc.NodeAgentStub(self._channel)
@@ -90,6 +93,27 @@ class Reporter:
                 self._buffer.popleft()
                 self.dropped += 1
             self._buffer.append(event)
+
+    def add_source(self, poll: Callable[[], object], interval_s: float) -> None:
+        """Call ``poll`` on the reporter thread every ``interval_s`` seconds (and once
+        more at close); it emits events itself. Used for the native flight recorder,
+        whose ring must be read while the training thread is stuck in a collective."""
+        self._sources.append([poll, interval_s, 0.0])
+
+    def _poll_sources(self, force: bool = False) -> None:
+        now = time.monotonic()
+        for i, src in enumerate(self._sources):
+            poll, interval_s, due = src
+            if not force and now < due:
+                continue
+            src[2] = now + interval_s
+            try:
+                poll()
+                self._source_failing.discard(i)
+            except Exception as exc:  # noqa: BLE001 - a source must not stop the reports
+                if i not in self._source_failing:
+                    log.warning("reporter: event source %r failed: %s", poll, _describe(exc))
+                self._source_failing.add(i)
 
     def flush_soon(self) -> None:
         """Ask the thread to report now instead of at the next interval."""
@@ -131,6 +155,7 @@ class Reporter:
                 self._wake.clear()
                 if self._stop.is_set():
                     break
+                self._poll_sources()
                 try:
                     self._send_all()
                     if failing:
@@ -150,6 +175,7 @@ class Reporter:
     def _final_flush(self) -> None:
         deadline = self._final_deadline
         self._wake.clear()
+        self._poll_sources(force=True)
         while time.monotonic() < deadline:
             try:
                 # Never let one slow call run past the deadline close() promised.

@@ -35,9 +35,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fleet_proto import events_pb2
-from workers import checkpoint, data
+from workers import checkpoint, data, native_fr
 from workers.faults import FaultHooks
 from workers.model import Transformer
+from workers.native_fr import NativeFlightTail
 from workers.recorder import FlightRecorder
 from workers.rendezvous import rendezvous_store
 from workers.reporter import Reporter
@@ -84,13 +85,20 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None) -> dict:
     for the rendezvous store; without it rank 0 binds one itself.
     """
     os.environ.update(spec.env)
+    if spec.fr_buffer_entries:
+        # read by the process group at creation: must be set before init_process_group
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(spec.fr_buffer_entries)
     torch.set_num_threads(1)  # ranks share the host's cores; more threads only contend
     hooks = FaultHooks(spec.rank)
     reporter = Reporter(spec, hooks.on_command)
     emit = _Emitter(spec, reporter)
+    tail = None
+    if spec.fr_buffer_entries and native_fr.available():
+        tail = NativeFlightTail(spec.job_id, spec.attempt, spec.rank, reporter.emit)
+        reporter.add_source(tail.poll, spec.fr_poll_interval_s)
     try:
         emit.status(Status.STARTING)
-        result = _train(spec, hooks, reporter, emit, listen_socket)
+        result = _train(spec, hooks, reporter, emit, listen_socket, tail)
         emit.status(Status.FINISHED, detail="stopped by command" if result["stopped"] else "")
         return result
     except BaseException as exc:
@@ -98,6 +106,8 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None) -> dict:
         raise
     finally:
         if dist.is_initialized():
+            if tail is not None:
+                tail.poll()  # the ring dies with the process group: ship its last entries
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - already failing or finished; report and move on
@@ -107,10 +117,10 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None) -> dict:
 
 def _train(
     spec: WorkerSpec, hooks: FaultHooks, reporter: Reporter, emit: _Emitter,
-    listen_socket: socket.socket | None = None,
+    listen_socket: socket.socket | None = None, tail: NativeFlightTail | None = None,
 ) -> dict:
     train = spec.train
-    recorder = FlightRecorder(spec.job_id, spec.attempt, spec.rank, reporter.emit)
+    recorder = FlightRecorder(spec.job_id, spec.attempt, spec.rank, reporter.emit, tail=tail)
 
     t0 = time.perf_counter()
     dist.init_process_group(

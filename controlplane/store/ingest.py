@@ -48,6 +48,7 @@ def _collective_row(ev: events_pb2.CollectiveEvent) -> dict[str, Any]:
         "exit_ns": ev.exit_ns or None,
         "state": ev.state or "started",
         "step": ev.step,
+        "exit_estimated": ev.exit_estimated,
     }
 
 
@@ -61,6 +62,7 @@ def _merge_collectives(events: list[events_pb2.CollectiveEvent]) -> list[dict[st
         elif ev.state and ev.state != "started":
             row["state"] = ev.state
             row["exit_ns"] = ev.exit_ns or None
+            row["exit_estimated"] = ev.exit_estimated
     return list(merged.values())
 
 
@@ -74,7 +76,8 @@ def _collective_upsert(dialect_name: str):
         dialect_name,
         Collective.__table__,
         _COLLECTIVE_KEY,
-        {"exit_ns": keep_completion("exit_ns"), "state": keep_completion("state")},
+        {"exit_ns": keep_completion("exit_ns"), "state": keep_completion("state"),
+         "exit_estimated": keep_completion("exit_estimated")},
     )
 
 
@@ -105,6 +108,13 @@ def write_events(session: Session, events: Sequence[events_pb2.Event]) -> None:
                 "job_id": ev.job_id, "attempt": ev.attempt, "rank": ev.rank, "step": ev.step,
                 "loss": ev.loss, "step_time_s": ev.step_time_s,
                 "tokens_per_s": ev.tokens_per_s, "end_ns": ev.end_ns,
+                "grad_norm": ev.grad_norm, "lr": ev.lr, "mfu": ev.mfu, "aux_loss": ev.aux_loss,
+                "imbalanced": any(x.imbalanced for x in ev.expert_load),
+                "expert_load": _dumps([
+                    {"layer": x.layer, "tokens_per_expert": list(x.tokens_per_expert),
+                     "min_share": x.min_share, "max_share": x.max_share, "imbalanced": x.imbalanced}
+                    for x in ev.expert_load
+                ]),
             })
         elif kind == "status":
             ev = event.status

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from controlplane.lifecycle import AttemptState, JobState
 
@@ -87,6 +88,7 @@ class CollectiveRecord:
     exit_ns: int | None  # None while not completed
     state: str  # "started" | "completed" | "failed"
     step: int
+    exit_estimated: bool = False  # exit_ns observed by the recorder's poll, not measured
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,12 @@ class StepRecord:
     step_time_s: float
     tokens_per_s: float
     end_ns: int
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    mfu: float = 0.0
+    aux_loss: float = 0.0
+    imbalanced: bool = False
+    expert_load: tuple[Mapping[str, Any], ...] = ()  # per MoE layer: layer, tokens_per_expert, shares
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,7 @@ class Collective(Base):
     enter_ns: Mapped[int] = mapped_column(BigInteger)
     exit_ns: Mapped[int | None] = mapped_column(BigInteger)
     state: Mapped[str] = mapped_column(String(16))  # "started" | "completed" | "failed"
+    exit_estimated: Mapped[bool] = mapped_column(Boolean, default=False)
     step: Mapped[int] = mapped_column(BigInteger)
 
 
@@ -165,6 +166,12 @@ class Step(Base):
     step_time_s: Mapped[float] = mapped_column(Float)
     tokens_per_s: Mapped[float] = mapped_column(Float)
     end_ns: Mapped[int] = mapped_column(BigInteger)
+    grad_norm: Mapped[float] = mapped_column(Float, default=0.0)
+    lr: Mapped[float] = mapped_column(Float, default=0.0)
+    mfu: Mapped[float] = mapped_column(Float, default=0.0)
+    aux_loss: Mapped[float] = mapped_column(Float, default=0.0)
+    imbalanced: Mapped[bool] = mapped_column(Boolean, default=False)
+    expert_load: Mapped[str] = mapped_column(Text, default="[]")  # JSON, one object per MoE layer
 
 
 class WorkerStatusRow(Base):

@@ -471,7 +471,11 @@ class Store:
             rows = s.scalars(stmt.order_by(Step.attempt, Step.step, Step.rank)).all()
             return [StepRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank, step=r.step,
                                loss=r.loss, step_time_s=r.step_time_s,
-                               tokens_per_s=r.tokens_per_s, end_ns=r.end_ns) for r in rows]
+                               tokens_per_s=r.tokens_per_s, end_ns=r.end_ns,
+                               grad_norm=r.grad_norm or 0.0, lr=r.lr or 0.0, mfu=r.mfu or 0.0,
+                               aux_loss=r.aux_loss or 0.0, imbalanced=bool(r.imbalanced),
+                               expert_load=tuple(json.loads(r.expert_load or "[]")))
+                    for r in rows]
 
     def last_step(self, job_id: str, attempt: int | None = None) -> int:
         """Highest step recorded (in ``attempt``, or any); 0 if none."""
@@ -501,6 +505,7 @@ class Store:
                 output_sizes=_sizes(r.output_sizes),
                 output_dtypes=tuple(json.loads(r.output_dtypes)),
                 enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
+                exit_estimated=bool(r.exit_estimated),
             ) for r in s.execute(stmt)]
 
     def collective_summary(self, job_id: str,

@@ -15,7 +15,7 @@ class Shape(_message.Message):
     def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CollectiveEvent(_message.Message):
-    __slots__ = ("job_id", "attempt", "rank", "group", "group_size", "seq", "op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "enter_ns", "exit_ns", "state", "step")
+    __slots__ = ("job_id", "attempt", "rank", "group", "group_size", "seq", "op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "enter_ns", "exit_ns", "state", "step", "exit_estimated")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class CollectiveEvent(_message.Message):
     EXIT_NS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    EXIT_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
     rank: int
@@ -46,10 +47,25 @@ class CollectiveEvent(_message.Message):
     exit_ns: int
     state: str
     step: int
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., group: _Optional[str] = ..., group_size: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., input_sizes: _Optional[_Iterable[_Union[Shape, _Mapping]]] = ..., input_dtypes: _Optional[_Iterable[str]] = ..., output_sizes: _Optional[_Iterable[_Union[Shape, _Mapping]]] = ..., output_dtypes: _Optional[_Iterable[str]] = ..., enter_ns: _Optional[int] = ..., exit_ns: _Optional[int] = ..., state: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    exit_estimated: bool
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., group: _Optional[str] = ..., group_size: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., input_sizes: _Optional[_Iterable[_Union[Shape, _Mapping]]] = ..., input_dtypes: _Optional[_Iterable[str]] = ..., output_sizes: _Optional[_Iterable[_Union[Shape, _Mapping]]] = ..., output_dtypes: _Optional[_Iterable[str]] = ..., enter_ns: _Optional[int] = ..., exit_ns: _Optional[int] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., exit_estimated: _Optional[bool] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("layer", "tokens_per_expert", "min_share", "max_share", "imbalanced")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    MIN_SHARE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SHARE_FIELD_NUMBER: _ClassVar[int]
+    IMBALANCED_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    tokens_per_expert: _containers.RepeatedScalarFieldContainer[int]
+    min_share: float
+    max_share: float
+    imbalanced: bool
+    def __init__(self, layer: _Optional[int] = ..., tokens_per_expert: _Optional[_Iterable[int]] = ..., min_share: _Optional[float] = ..., max_share: _Optional[float] = ..., imbalanced: _Optional[bool] = ...) -> None: ...
 
 class StepEvent(_message.Message):
-    __slots__ = ("job_id", "attempt", "rank", "step", "loss", "step_time_s", "tokens_per_s", "end_ns")
+    __slots__ = ("job_id", "attempt", "rank", "step", "loss", "step_time_s", "tokens_per_s", "end_ns", "grad_norm", "lr", "mfu", "aux_loss", "expert_load")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +74,11 @@ class StepEvent(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     END_NS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MFU_FIELD_NUMBER: _ClassVar[int]
+    AUX_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
     rank: int
@@ -66,7 +87,12 @@ class StepEvent(_message.Message):
     step_time_s: float
     tokens_per_s: float
     end_ns: int
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., end_ns: _Optional[int] = ...) -> None: ...
+    grad_norm: float
+    lr: float
+    mfu: float
+    aux_loss: float
+    expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., end_ns: _Optional[int] = ..., grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., mfu: _Optional[float] = ..., aux_loss: _Optional[float] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("job_id", "attempt", "rank", "state", "time_ns", "pid", "hostname", "restored_step", "detail", "phase_s")

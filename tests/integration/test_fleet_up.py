@@ -151,10 +151,17 @@ def test_fleet_up_runs_a_job_to_success(tmp_path: Path) -> None:
         for rank, cs in per_rank.items():
             assert [c.seq for c in cs] == list(range(1, len(cs) + 1)), f"rank {rank} has gaps"
             assert all(c.state == "completed" and c.exit_ns >= c.enter_ns for c in cs)
-        # the same collective on every rank has the same op and sizes
+        # the same collective on every rank is the same op (and, for symmetric ops, sizes);
+        # rooted ops such as scatter carry inputs only on the root
         for seq in range(1, len(per_rank[0]) + 1):
-            ops = {(cs[seq - 1].op, cs[seq - 1].input_sizes) for cs in per_rank.values()}
+            ops = {cs[seq - 1].op for cs in per_rank.values()}
             assert len(ops) == 1, f"ranks disagree on collective {seq}: {ops}"
+            if ops == {"all_reduce"}:
+                sizes = {cs[seq - 1].input_sizes for cs in per_rank.values()}
+                assert len(sizes) == 1, f"ranks disagree on the sizes of collective {seq}: {sizes}"
+        # the native flight recorder also sees what torch.distributed.checkpoint issues
+        all_ops = {c.op for c in per_rank[0]}
+        assert {"all_reduce", "broadcast"} <= all_ops and all_ops & {"scatter", "gather", "all_gather"}
         # checkpoints: recorded valid and present on disk with their manifest
         ckpts = store.checkpoints(job.id)
         assert [c.step for c in ckpts if c.valid][-1] == steps
