@@ -84,17 +84,41 @@ class AgentConfig(_Section):
     report_interval_s: float = Field(
         0.1, gt=0, le=10, description="Seconds between a worker's reports to its node agent."
     )
+    fr_poll_interval_s: float = Field(
+        0.5, gt=0, le=60,
+        description="Seconds between reads of a worker's native flight-recorder ring (events lag at most this).",
+    )
 
 
 class ModelConfig(_Section):
-    """The model: a named preset, optionally with fields overridden."""
+    """The model: a named preset (Llama-4-style MoE decoder), optionally with fields overridden."""
 
-    preset: Literal["tiny", "small"] = Field("tiny", description="Model shape preset.")
-    dim: int | None = Field(None, ge=8, description="Override: model width.")
-    n_layers: int | None = Field(None, ge=1, description="Override: decoder blocks.")
-    n_heads: int | None = Field(None, ge=1, description="Override: attention heads.")
-    n_kv_heads: int | None = Field(None, ge=1, description="Override: key/value heads (GQA).")
-    vocab_size: int | None = Field(None, ge=8, description="Override: vocabulary size.")
+    preset: Literal["tiny", "small", "scout", "maverick"] = Field(
+        "tiny", description="Model shape preset (`fleet model-info --preset NAME` shows its size)."
+    )
+    dim: int | None = Field(None, ge=8, le=65536, description="Override: model width.")
+    n_layers: int | None = Field(None, ge=1, le=1024, description="Override: decoder blocks.")
+    n_heads: int | None = Field(None, ge=1, le=1024, description="Override: attention heads.")
+    n_kv_heads: int | None = Field(None, ge=1, le=1024, description="Override: key/value heads (GQA).")
+    vocab_size: int | None = Field(None, ge=8, le=4_000_000, description="Override: vocabulary size.")
+    ffn_hidden: int | None = Field(None, ge=1, description="Override: dense layers' SwiGLU width.")
+    moe_hidden: int | None = Field(None, ge=1, description="Override: each expert's SwiGLU width.")
+    n_experts: int | None = Field(None, ge=0, le=4096, description="Override: routed experts per MoE layer (0 = dense).")
+    top_k: int | None = Field(None, ge=1, description="Override: experts each token is routed to.")
+    moe_every: int | None = Field(None, ge=1, description="Override: every Nth layer is MoE (1 = all).")
+    nope_every: int | None = Field(
+        None, ge=0, description="Override: every Nth layer has no positional encoding (iRoPE; 0 = none)."
+    )
+    attention_chunk_size: int | None = Field(
+        None, ge=0, description="Override: chunked local attention on RoPE layers (0 = off)."
+    )
+    load_balance: Literal["aux_loss", "bias"] | None = Field(
+        None, description="Override: MoE balancing, auxiliary loss or loss-free router bias."
+    )
+    aux_loss_coef: float | None = Field(None, ge=0, le=10, description="Override: weight of the router auxiliary loss.")
+    fp8: Literal["off", "tensorwise", "rowwise"] | None = Field(
+        None, description="Override: FP8 compute for attention and expert linears, and its scaling."
+    )
 
     def args(self) -> ModelArgs:
         """The ModelArgs this section describes."""
@@ -113,17 +137,42 @@ class ModelConfig(_Section):
 
 
 class JobConfig(_Section):
-    """The training job: placement, recipe, checkpoints and restarts."""
+    """The training job: placement, recipe, parallelism, checkpoints and restarts."""
 
     nodes: int = Field(2, ge=1, le=100_000, description="Nodes the worker group spans.")
     ranks_per_node: int = Field(2, ge=1, le=64, description="Worker processes (ranks) per node.")
-    steps: int = Field(300, ge=1, le=10**9, description="Training steps to complete.")
-    batch_size: int = Field(4, ge=1, le=1_000_000, description="Sequences per rank per step.")
+    steps: int = Field(300, ge=1, le=10**9, description="Training (optimizer) steps to complete.")
+    batch_size: int = Field(4, ge=1, le=1_000_000, description="Sequences per rank per micro-batch.")
     seq_len: int = Field(64, ge=2, le=1_048_576, description="Tokens per sequence.")
-    lr: float = Field(3e-3, gt=0, le=10, description="AdamW learning rate.")
+    lr: float = Field(3e-3, gt=0, le=10, description="Peak AdamW learning rate.")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of model init and the synthetic data stream.")
+    grad_accum_steps: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step.")
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="Clip the global gradient norm to this (0 = off).")
+    warmup_steps: int = Field(10, ge=0, description="Linear learning-rate warm-up steps.")
+    lr_schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="After warm-up: cosine decay to min_lr_ratio x lr, or constant."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate of the cosine schedule, as a fraction of lr.")
+    weight_decay: float = Field(0.0, ge=0, le=10, description="AdamW weight decay.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder block in the backward pass (saves memory)."
+    )
+    ep_size: int = Field(
+        1, ge=1, description="Expert-parallel ranks: MoE experts are sharded over groups of this many ranks."
+    )
+    data_parallel: Literal["fsdp", "ddp"] = Field(
+        "fsdp", description="How dense parameters are data-parallel: FSDP2 fully_shard or DDP."
+    )
+    dataset: str = Field(
+        "synthetic", min_length=1,
+        description="`synthetic` (packed documents, deterministic per step and rank) or the path of a flat token file.",
+    )
+    mean_doc_len: int = Field(24, ge=2, description="Synthetic data: mean document length, tokens.")
     checkpoint_interval: int = Field(
-        50, ge=0, description="Steps between checkpoints (0 = only at the end)."
+        50, ge=0, description="Steps between checkpoints (0 = none)."
+    )
+    async_checkpoint: bool = Field(
+        True, description="Write checkpoints in the background; training waits only for the copy."
     )
     keep_checkpoints: int = Field(3, ge=1, description="Newest valid checkpoints kept on disk.")
     checkpoint_dir: str = Field(
@@ -131,6 +180,10 @@ class JobConfig(_Section):
     )
     pg_timeout_s: float = Field(
         60.0, gt=0, le=86400, description="torch.distributed process-group timeout, seconds."
+    )
+    flight_recorder_entries: int = Field(
+        1000, ge=0, le=1_000_000,
+        description="Native flight-recorder ring size per rank (TORCH_FR_BUFFER_SIZE); 0 = off.",
     )
     max_restarts: int = Field(3, ge=0, le=1000, description="Attempts after the first before giving up.")
     restart_backoff_s: float = Field(1.0, ge=0, le=3600, description="Pause before each new attempt.")
@@ -150,14 +203,35 @@ class JobConfig(_Section):
             seed=self.seed,
             checkpoint_interval=self.checkpoint_interval,
             keep_checkpoints=self.keep_checkpoints,
+            async_checkpoint=self.async_checkpoint,
+            grad_accum_steps=self.grad_accum_steps,
+            grad_clip=self.grad_clip,
+            warmup_steps=self.warmup_steps,
+            lr_schedule=self.lr_schedule,
+            min_lr_ratio=self.min_lr_ratio,
+            weight_decay=self.weight_decay,
+            activation_checkpointing=self.activation_checkpointing,
+            ep_size=self.ep_size,
+            data_parallel=self.data_parallel,
+            dataset=self.dataset,
+            mean_doc_len=self.mean_doc_len,
         )
 
     @model_validator(mode="after")
-    def _seq_fits(self) -> JobConfig:
-        if self.seq_len > self.model.args().max_seq_len:
+    def _consistent(self) -> JobConfig:
+        model = self.model.args()
+        if self.seq_len > model.max_seq_len:
             raise ValueError(
-                f"seq_len ({self.seq_len}) exceeds the model's max_seq_len "
-                f"({self.model.args().max_seq_len})"
+                f"seq_len ({self.seq_len}) exceeds the model's max_seq_len ({model.max_seq_len})"
+            )
+        if self.world_size % self.ep_size:
+            raise ValueError(
+                f"ep_size ({self.ep_size}) must divide the world size "
+                f"(nodes x ranks_per_node = {self.world_size})"
+            )
+        if self.ep_size > 1 and model.n_experts % self.ep_size:
+            raise ValueError(
+                f"ep_size ({self.ep_size}) must divide model n_experts ({model.n_experts})"
             )
         return self
 

@@ -335,6 +335,8 @@ class Controller:
                 pg_timeout_s=cfg.job.pg_timeout_s,
                 report_interval_s=cfg.agent.report_interval_s,
                 env=env,
+                fr_buffer_entries=cfg.job.flight_recorder_entries,
+                fr_poll_interval_s=cfg.agent.fr_poll_interval_s,
             )
             for rank, node in enumerate(placement)
         ]

@@ -76,7 +76,9 @@ def replay_report(store: Store, job_id: str, attempt: int | None = None) -> dict
 
 
 def _step_timeline(steps: list) -> list[dict[str, Any]]:  # noqa: ANN001 (StepRecord)
-    """One row per step: the loss, the slowest and median rank step time, total tokens/s."""
+    """One row per step: the loss, the slowest and median rank step time, total tokens/s,
+    gradient norm, learning rate, router loss, mean MFU and whether any MoE layer on any
+    rank was imbalanced."""
     by_step: dict[int, list] = {}
     for s in steps:
         by_step.setdefault(s.step, []).append(s)
@@ -93,6 +95,13 @@ def _step_timeline(steps: list) -> list[dict[str, Any]]:  # noqa: ANN001 (StepRe
                 "step_time_s_max": max(times),
                 "slowest_rank": max(ranks, key=lambda r: r.step_time_s).rank,
                 "tokens_per_s": sum(r.tokens_per_s for r in ranks),
+                "grad_norm": ranks[0].grad_norm,
+                "lr": ranks[0].lr,
+                "aux_loss": ranks[0].aux_loss,
+                "mfu": sum(r.mfu for r in ranks) / len(ranks),
+                "imbalanced_layers": sorted({
+                    x["layer"] for r in ranks for x in r.expert_load if x.get("imbalanced")
+                }),
             }
         )
     return rows

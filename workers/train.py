@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -32,17 +33,16 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from fleet_proto import events_pb2
-from workers import checkpoint, data, native_fr
+from workers import metrics, native_fr
 from workers.faults import FaultHooks
-from workers.model import Transformer
 from workers.native_fr import NativeFlightTail
 from workers.recorder import FlightRecorder
 from workers.rendezvous import rendezvous_store
 from workers.reporter import Reporter
 from workers.spec import PRESETS, TrainArgs, WorkerSpec
+from workers.trainer import StepResult, Trainer, backend_for, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +63,19 @@ class _Emitter:
             pid=os.getpid(), hostname=socket.gethostname(), restored_step=restored_step,
             detail=detail, phase_s=phase_s)))
 
-    def step(self, step: int, loss: float, step_time_s: float, tokens: int) -> None:
+    def step(self, r: StepResult, trainer: Trainer) -> None:
         s = self.spec
-        self.reporter.emit(events_pb2.Event(step=events_pb2.StepEvent(
-            job_id=s.job_id, attempt=s.attempt, rank=s.rank, step=step, loss=loss,
-            step_time_s=step_time_s, tokens_per_s=tokens / step_time_s if step_time_s > 0 else 0.0,
-            end_ns=time.time_ns())))
+        tokens_per_s = r.tokens / r.step_time_s if r.step_time_s > 0 else 0.0
+        event = events_pb2.StepEvent(
+            job_id=s.job_id, attempt=s.attempt, rank=s.rank, step=r.step, loss=r.loss,
+            step_time_s=r.step_time_s, tokens_per_s=tokens_per_s, end_ns=time.time_ns(),
+            grad_norm=r.grad_norm, lr=r.lr, aux_loss=r.aux_loss,
+            mfu=metrics.mfu(trainer.flops_per_token, tokens_per_s, trainer.peak_flops))
+        for load in r.expert_load:
+            event.expert_load.add(
+                layer=load.layer, tokens_per_expert=load.tokens_per_expert,
+                min_share=load.min_share, max_share=load.max_share, imbalanced=load.imbalanced)
+        self.reporter.emit(events_pb2.Event(step=event))
 
     def checkpoint(self, step: int, path: str, manifest_sha256: str, save_s: float) -> None:
         s = self.spec
@@ -121,107 +128,88 @@ def _train(
 ) -> dict:
     train = spec.train
     recorder = FlightRecorder(spec.job_id, spec.attempt, spec.rank, reporter.emit, tail=tail)
+    device = pick_device(spec.rank)
 
     t0 = time.perf_counter()
     dist.init_process_group(
-        "gloo", store=rendezvous_store(spec, listen_socket), rank=spec.rank,
+        backend_for(device), store=rendezvous_store(spec, listen_socket), rank=spec.rank,
         world_size=spec.world_size, timeout=timedelta(seconds=spec.pg_timeout_s))
     pg_init_s = time.perf_counter() - t0
     emit.status(Status.PG_READY, phase_s=pg_init_s)
 
     t0 = time.perf_counter()
-    model = Transformer(spec.model, seed=train.seed)  # same seed everywhere: no broadcast needed
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr)
-    restored = _restore(spec, recorder, model, optimizer)
-    restore_s = time.perf_counter() - t0
-    emit.status(Status.RESTORED, phase_s=restore_s, restored_step=restored)
-    emit.status(Status.TRAINING)
-    t_train = time.perf_counter()
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    numels = [p.numel() for p in params]
-    world = float(spec.world_size)
-    tokens = train.batch_size * train.seq_len
-    step, stopped = restored, False
-    for step in range(restored + 1, train.steps + 1):
-        hooks.before_step(step)
-        recorder.set_step(step)
-        t_step = time.perf_counter()
-        inputs, targets = data.batch(train, spec.model.vocab_size, step, spec.rank)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        # One flat buffer: one collective per step instead of one per parameter.
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        recorder.all_reduce(flat)
-        flat.div_(world)
-        for p, g in zip(params, flat.split(numels)):
-            p.grad.copy_(g.view_as(p))
-        # [loss, stop votes]: the stop decision rides on a collective every rank makes
-        # anyway, so all ranks see the same verdict after the same step.
-        stats = torch.tensor([loss.item(), 1.0 if hooks.stop_requested else 0.0], dtype=torch.float64)
-        recorder.all_reduce(stats)
-        optimizer.step()
-        emit.step(step, stats[0].item() / world, time.perf_counter() - t_step, tokens)
-        stopped = stats[1].item() > 0
-        if _checkpoint_due(train, step, stopped):
-            path, manifest_sha, save_s = checkpoint.save(
-                spec.checkpoint_dir, step, model, optimizer, recorder, keep=train.keep_checkpoints)
-            if spec.rank == 0:
-                emit.checkpoint(step, path, manifest_sha, save_s)
-                log.info("step %d loss %.4f, checkpoint %s", step, stats[0].item() / world, path)
-        if stopped:
-            log.info("rank %d: stopping after step %d by command", spec.rank, step)
-            break
+    trainer = Trainer(spec, recorder, device)
+    try:
+        restored = trainer.restore()
+        restore_s = time.perf_counter() - t0
+        emit.status(Status.RESTORED, phase_s=restore_s, restored_step=restored)
+        emit.status(Status.TRAINING)
+        t_train = time.perf_counter()
+        step, stopped = restored, False
+        for step in range(restored + 1, train.steps + 1):
+            hooks.before_step(step)
+            recorder.set_step(step)
+            result = trainer.step(step, hooks.stop_requested)
+            emit.step(result, trainer)
+            if result.committed is not None and spec.rank == 0:
+                emit.checkpoint(*result.committed)
+            stopped = result.stop
+            if stopped:
+                log.info("rank %d: stopping after step %d by command", spec.rank, step)
+                break
+        final = trainer.finish_checkpoints()
+        if final is not None and spec.rank == 0:
+            emit.checkpoint(*final)
+        train_s = time.perf_counter() - t_train
+    finally:
+        trainer.close()
     return {
         "rank": spec.rank, "final_step": step, "restored_step": restored, "stopped": stopped,
-        "pg_init_s": pg_init_s, "restore_s": restore_s, "train_s": time.perf_counter() - t_train,
+        "pg_init_s": pg_init_s, "restore_s": restore_s, "train_s": train_s,
     }
-
-
-def _checkpoint_due(train: TrainArgs, step: int, stopping: bool) -> bool:
-    if train.checkpoint_interval <= 0:
-        return False
-    return step % train.checkpoint_interval == 0 or step == train.steps or stopping
-
-
-def _restore(spec: WorkerSpec, recorder: FlightRecorder, model: torch.nn.Module,
-             optimizer: torch.optim.Optimizer) -> int:
-    """Load the newest valid checkpoint, chosen by rank 0, on every rank; returns its step (0 = none)."""
-    chosen = torch.zeros(1, dtype=torch.int64)
-    if spec.rank == 0:
-        found = checkpoint.latest_valid(spec.checkpoint_dir)
-        if found is not None:
-            chosen[0] = found[0]
-    recorder.broadcast(chosen, src=0)
-    step = int(chosen.item())
-    if step == 0:
-        return 0
-    loaded = checkpoint.load(checkpoint.step_path(spec.checkpoint_dir, step), model, optimizer)
-    if loaded != step:
-        raise RuntimeError(f"checkpoint {checkpoint.step_path(spec.checkpoint_dir, step)} "
-                           f"holds step {loaded}, expected {step}")
-    log.info("rank %d: restored step %d", spec.rank, step)
-    return step
 
 
 def spec_from_torchrun(argv: list[str] | None = None) -> WorkerSpec:
     """Build a WorkerSpec from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT) and the command line."""
+    defaults = TrainArgs()
     parser = argparse.ArgumentParser(
         prog="python -m workers.train",
-        description="Train fleet's Llama-style model on one rank (launch with torchrun).")
-    parser.add_argument("--steps", type=int, default=TrainArgs.steps, help="last training step")
+        description="Train fleet's Llama-4-style model on one rank (launch with torchrun).")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="last training step")
     parser.add_argument("--checkpoint-dir", required=True, help="where step_NNNNNNNN/ checkpoints live")
-    parser.add_argument("--checkpoint-interval", type=int, default=TrainArgs.checkpoint_interval,
+    parser.add_argument("--checkpoint-interval", type=int, default=defaults.checkpoint_interval,
                         help="steps between checkpoints; 0 = never")
+    parser.add_argument("--sync-checkpoint", action="store_true",
+                        help="block training while a checkpoint is written (default: async)")
     parser.add_argument("--agent-address", default="",
                         help="host:port of the node agent; empty = discard telemetry")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
+    parser.add_argument("--fp8", default=None, choices=("off", "tensorwise", "rowwise"),
+                        help="FP8 compute (default: the preset's)")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    parser.add_argument("--grad-accum-steps", type=int, default=defaults.grad_accum_steps)
+    parser.add_argument("--ep-size", type=int, default=defaults.ep_size)
+    parser.add_argument("--data-parallel", default=defaults.data_parallel, choices=("fsdp", "ddp"))
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--dataset", default=defaults.dataset,
+                        help="'synthetic' or the path of a flat token file")
     parser.add_argument("--job-id", default="", help="job id stamped on events (default: random)")
     parser.add_argument("--pg-timeout-s", type=float, default=60.0, help="process-group timeout, seconds")
     args = parser.parse_args(argv)
+    model = PRESETS[args.preset]
+    if args.fp8 is not None:
+        model = dataclasses.replace(model, fp8=args.fp8)
+    train = dataclasses.replace(
+        defaults, steps=args.steps, checkpoint_interval=args.checkpoint_interval,
+        async_checkpoint=not args.sync_checkpoint, batch_size=args.batch_size, seq_len=args.seq_len,
+        lr=args.lr, warmup_steps=args.warmup_steps, grad_accum_steps=args.grad_accum_steps,
+        ep_size=args.ep_size, data_parallel=args.data_parallel,
+        activation_checkpointing=args.activation_checkpointing, dataset=args.dataset,
+    )
     # torchrun's contract is environment variables; this is the edge where they are read.
     env = os.environ
     return WorkerSpec(
@@ -234,8 +222,8 @@ def spec_from_torchrun(argv: list[str] | None = None) -> WorkerSpec:
         master_port=int(env.get("MASTER_PORT", "29500")),
         agent_address=args.agent_address,
         checkpoint_dir=args.checkpoint_dir,
-        model=PRESETS[args.preset],
-        train=TrainArgs(steps=args.steps, checkpoint_interval=args.checkpoint_interval),
+        model=model,
+        train=train,
         pg_timeout_s=args.pg_timeout_s,
         external_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )

@@ -59,10 +59,13 @@ def replay(
         steps = a["steps"][-last_steps:] if last_steps else a["steps"]
         print_table(
             f"steps ({len(steps)} of {len(a['steps'])} shown)",
-            ["step", "loss", "ranks", "median s", "max s", "slowest", "tokens/s"],
+            ["step", "loss", "grad norm", "lr", "aux", "ranks", "median s", "max s", "slowest",
+             "tokens/s", "MFU", "imbalanced MoE layers"],
             [
-                [s["step"], f"{s['loss']:.4f}", s["ranks"], f"{s['step_time_s_median']:.4f}",
-                 f"{s['step_time_s_max']:.4f}", s["slowest_rank"], f"{s['tokens_per_s']:.0f}"]
+                [s["step"], f"{s['loss']:.4f}", f"{s['grad_norm']:.3f}", f"{s['lr']:.2e}",
+                 f"{s['aux_loss']:.4f}", s["ranks"], f"{s['step_time_s_median']:.4f}",
+                 f"{s['step_time_s_max']:.4f}", s["slowest_rank"], f"{s['tokens_per_s']:.0f}",
+                 f"{s['mfu']:.1%}", ",".join(map(str, s["imbalanced_layers"])) or "-"]
                 for s in steps
             ],
         )

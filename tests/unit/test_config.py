@@ -117,7 +117,7 @@ def test_unknown_nested_key_names_dotted_key_and_line() -> None:
 
 def test_bad_enum_names_key_line_and_choices() -> None:
     msg = _error("job:\n  model:\n    preset: huge\n")
-    assert msg == f"{SRC}:3: job.model.preset: Input should be 'tiny' or 'small'"
+    assert msg == f"{SRC}:3: job.model.preset: Input should be 'tiny', 'small', 'scout' or 'maverick'"
 
 
 def test_section_that_is_not_a_mapping() -> None:
@@ -375,3 +375,28 @@ def test_readme_reference_is_generated_from_the_schema() -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("job:\n  nodes: 2\n  ranks_per_node: 3\n  ep_size: 4\n", "ep_size (4) must divide the world size"),
+        ("job:\n  ep_size: 4\n  model:\n    n_experts: 6\n", "ep_size (4) must divide model n_experts (6)"),
+        ("job:\n  model:\n    fp8: e4m3\n", "job.model.fp8"),
+        ("job:\n  data_parallel: zero3\n", "job.data_parallel"),
+        ("job:\n  model:\n    top_k: 9\n", "top_k (9) must be between 1 and n_experts"),
+    ],
+)
+def test_parallelism_and_model_rules(text: str, needle: str) -> None:
+    assert needle in _error(text)
+
+
+def test_model_overrides_and_recipe_reach_the_worker_contract() -> None:
+    cfg = parse_cluster_yaml(
+        "job:\n  nodes: 2\n  ranks_per_node: 2\n  ep_size: 2\n  grad_accum_steps: 3\n"
+        "  activation_checkpointing: true\n  model:\n    preset: tiny\n    fp8: rowwise\n    n_experts: 8\n",
+        SRC,
+    )
+    args, train = cfg.job.model.args(), cfg.job.train_args()
+    assert (args.fp8, args.n_experts) == ("rowwise", 8)
+    assert (train.ep_size, train.grad_accum_steps, train.activation_checkpointing) == (2, 3, True)

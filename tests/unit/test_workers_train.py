@@ -78,10 +78,17 @@ def test_train_restore_is_bit_identical(agent, tmp_path):
         assert statuses == [(Status.STARTING, 0), (Status.PG_READY, 0), (Status.RESTORED, 10),
                             (Status.TRAINING, 0), (Status.FINISHED, 0)]
         collectives = [c for c in agent.of_kind("collective", rank) if c.attempt == 0 and c.state == "completed"]
-        assert [c.seq for c in collectives if c.group == "0"] == list(range(1, len(collectives) + 1))
-        # One broadcast (restore choice), two all-reduces per step, two barriers per checkpoint.
-        ops = [c.op for c in collectives]
-        assert ops.count("broadcast") == 1 and ops.count("all_reduce") == 40 and ops.count("barrier") == 8
+        # Every group's sequence numbers are consecutive from 1 (the native recorder sees
+        # FSDP's and the checkpointer's groups as well as the default one).
+        by_group: dict[str, list[int]] = {}
+        for c in collectives:
+            by_group.setdefault(c.group, []).append(c.seq)
+        assert "0" in by_group and len(by_group) >= 2
+        for group, seqs in by_group.items():
+            assert sorted(seqs) == list(range(1, len(seqs) + 1)), f"group {group} has gaps"
+        ops = {c.op for c in collectives}
+        assert {"broadcast", "all_reduce", "all_gather"} <= ops  # restore choice, step stats, FSDP
+        assert {c.step for c in collectives} >= set(range(1, 21))
 
     ckpts = agent.of_kind("checkpoint")
     assert all(c.rank == 0 and len(c.manifest_sha256) == 64 and c.save_s > 0 for c in ckpts)
@@ -102,9 +109,14 @@ def test_injected_crash_kills_one_rank_and_fails_the_other(agent, tmp_path):
     # Like a real crash, the dying rank ships nothing after its last report.
     assert max(s.step for s in agent.of_kind("step", 1)) <= 3
     assert max(s.step for s in agent.of_kind("step", 0)) == 3
-    # Rank 0 is seen entering step 4's all-reduce that rank 1 never joined.
-    last = [c for c in agent.of_kind("collective", 0) if c.step == 4]
-    assert last[0].state == "started" and last[0].op == "all_reduce"
+    # Rank 0 is seen entering a step-4 collective of the default group that rank 1 never
+    # joined: the evidence a desync verdict is built from. (gloo does not tell whether a
+    # retired op failed, so its state is not asserted.)
+    def last_seq(rank: int) -> events_pb2.CollectiveEvent:
+        return max((c for c in agent.of_kind("collective", rank) if c.group == "0"), key=lambda c: c.seq)
+    agent.wait_for(lambda a: any(c.step == 4 for c in a.of_kind("collective", 0)))
+    assert last_seq(0).step == 4
+    assert last_seq(1).seq < last_seq(0).seq
 
 
 def test_stop_command_stops_all_ranks_after_the_same_step(agent, tmp_path):

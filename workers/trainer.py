@@ -1,0 +1,239 @@
+"""One rank's training machinery: model, parallelism, optimizer, schedule, checkpoints.
+
+``Trainer`` is built once the process group is up and owns everything a step needs:
+
+* the Llama-4-style model (workers/model.py), FP8 when the model args ask for it,
+  activation checkpointing per block when the recipe asks for it;
+* data and expert parallelism (workers/parallel.py: FSDP2 or DDP over all ranks,
+  experts sharded over the expert-parallel group);
+* AdamW with fp32 master weights and fp32 optimizer state (FP8 copies of weights and
+  activations exist only inside a matmul; keeping the master copy and both Adam
+  moments in fp32 is what makes FP8 training track the high-precision loss);
+* the learning-rate schedule, gradient accumulation and clipping;
+* checkpoints (workers/checkpoint.py), asynchronous by default.
+
+Every step ends with one all-reduce of a small float64 vector over all ranks that carries
+the loss, the router loss, a stop vote, a "my checkpoint write is done" flag and the
+routed-token count of every expert of every MoE layer. Folding them into one collective
+means a stop command or a checkpoint commit takes effect on every rank after the same
+step, and MoE router biases stay identical everywhere, without extra synchronisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from workers import checkpoint, data, flops, metrics, parallel
+from workers.model import Transformer
+from workers.recorder import FlightRecorder
+from workers.schedule import lr_at
+from workers.spec import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+#: Router-bias step for loss-free balancing ("bias" mode), per optimizer step.
+BIAS_UPDATE_RATE = 1e-3
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced (global values are the same on every rank)."""
+
+    step: int
+    loss: float                  # global mean of the language-model loss
+    aux_loss: float              # global mean of the weighted router loss
+    grad_norm: float             # before clipping
+    lr: float
+    step_time_s: float
+    tokens: int                  # tokens this rank processed
+    stop: bool                   # some rank was asked to stop
+    expert_load: list[metrics.ExpertLoadStat] = field(default_factory=list)
+    committed: tuple[int, str, str, float] | None = None  # (step, path, sha, save_s) on rank 0
+
+
+class Trainer:
+    """Builds and trains one rank's share of the model (collective construction)."""
+
+    def __init__(self, spec: WorkerSpec, recorder: FlightRecorder, device: torch.device) -> None:
+        self.spec = spec
+        self.train = spec.train
+        self.args = spec.model
+        self.recorder = recorder
+        self.device = device
+        self.meshes = parallel.build_meshes(spec.world_size, self.train.ep_size, self.args.n_experts,
+                                            device_type=device.type)
+        ep_group = self.meshes.ep_group if self.train.ep_size > 1 else None
+        model = Transformer(self.args, seed=self.train.seed, ep_group=ep_group).to(device)
+        self.moe = model.moe_layers()  # before any wrapping hides the blocks' types
+        if self.train.activation_checkpointing:
+            for i, block in enumerate(model.layers):
+                model.layers[i] = checkpoint_wrapper(block)
+        self.model = parallel.parallelize(model, self.meshes, self.train.data_parallel)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay)
+        self.flops_per_token = flops.flops_per_token(self.args, self.train.seq_len)
+        self.peak_flops = metrics.peak_flops(device)
+        self.ckpt: checkpoint.AsyncCheckpointer | None = None
+        self._pending_save_s = 0.0
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the newest valid checkpoint (chosen by rank 0) on every rank; its step or 0."""
+        chosen = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.spec.rank == 0:
+            found = checkpoint.latest_valid(self.spec.checkpoint_dir)
+            if found is not None:
+                chosen[0] = found[0]
+        self.recorder.broadcast(chosen, src=0)
+        step = int(chosen.item())
+        if step:
+            path = checkpoint.step_path(self.spec.checkpoint_dir, step)
+            loaded, extra = checkpoint.load(path, self.model, self.optimizer,
+                                            ep_rank=self.meshes.ep_rank, ep_size=self.train.ep_size)
+            if loaded != step:
+                raise RuntimeError(f"checkpoint {path} holds step {loaded}, expected {step}")
+            for layer, bias in zip(self.moe, extra.get("router_bias", []), strict=False):
+                layer.expert_bias.copy_(bias)
+            log.info("rank %d: restored step %d", self.spec.rank, step)
+        if self.train.checkpoint_interval > 0:
+            self.ckpt = checkpoint.AsyncCheckpointer(
+                self.spec.checkpoint_dir, keep=self.train.keep_checkpoints, resume_step=step,
+                ep_rank=self.meshes.ep_rank, ep_size=self.train.ep_size)
+        return step
+
+    def _extra(self) -> dict:
+        return {"router_bias": [layer.expert_bias.detach().cpu().clone() for layer in self.moe]}
+
+    def _save_due(self, step: int, stopping: bool) -> bool:
+        interval = self.train.checkpoint_interval
+        return interval > 0 and (step % interval == 0 or step == self.train.steps or stopping)
+
+    def _start_save(self, step: int) -> None:
+        assert self.ckpt is not None
+        self._pending_save_s = self.ckpt.start(step, self.model, self.optimizer, extra=self._extra())
+        if not self.train.async_checkpoint:
+            # synchronous mode: the loop waits for the write itself
+            t0 = time.perf_counter()
+            self.ckpt.wait_local(timeout_s=self.spec.pg_timeout_s)
+            self._pending_save_s += time.perf_counter() - t0
+
+    def finish_checkpoints(self) -> tuple[int, str, str, float] | None:
+        """End of training: wait for the save in flight, then commit it everywhere."""
+        if self.ckpt is None or self.ckpt.step is None:
+            return None
+        step = self.ckpt.step
+        self.ckpt.wait_local(timeout_s=self.spec.pg_timeout_s)
+        self.recorder.barrier()  # every rank's part is on disk
+        path, sha = self.ckpt.commit(step)
+        return step, path, sha, self._pending_save_s
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+
+    # -- one optimizer step -----------------------------------------------------------
+
+    def step(self, step: int, stop_requested: bool) -> StepResult:
+        t0 = time.perf_counter()
+        train, world = self.train, self.spec.world_size
+        lr = lr_at(train, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        n_experts = self.args.n_experts
+        counts = torch.zeros(len(self.moe), max(n_experts, 1), dtype=torch.float64)
+        loss_sum = aux_sum = 0.0
+        accum = train.grad_accum_steps
+        for micro in range(accum):
+            # every micro-batch of every step reads its own, reproducible data
+            b = data.batch(train, self.args.vocab_size, (step - 1) * accum + micro + 1,
+                           self.spec.rank, dp_size=world)
+            inputs, targets, doc_ids = (t.to(self.device) for t in (b.inputs, b.targets, b.doc_ids))
+            with self._autocast():
+                logits = self.model(inputs, doc_ids)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                       ignore_index=data.IGNORE)
+                aux = self._aux_loss()
+            ((loss + aux) / accum).backward()
+            loss_sum += loss.item() / accum
+            aux_sum += aux.detach().item() / accum
+            for i, layer in enumerate(self.moe):
+                counts[i] += layer.last_tokens_per_expert.double().cpu()
+        if train.data_parallel == "ddp":
+            parallel.sync_expert_grads(self.model, self.meshes)
+        grad_norm = parallel.clip_grad_norm_(self.model, train.grad_clip, self.meshes)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        save_done = self.ckpt is not None and self.ckpt.poll_local_done()
+        stats = torch.cat([
+            torch.tensor([loss_sum, aux_sum, float(stop_requested), float(save_done)],
+                         dtype=torch.float64),
+            counts.flatten(),
+        ]).to(self.device)
+        self.recorder.all_reduce(stats)
+        stats = stats.cpu()
+        stop = stats[2].item() > 0
+        committed = None
+        if self.ckpt is not None and self.ckpt.step is not None and int(stats[3].item()) == world:
+            saved = self.ckpt.step
+            path, sha = self.ckpt.commit(saved)
+            committed = (saved, path, sha, self._pending_save_s)
+        global_counts = stats[4:].view(len(self.moe), -1)
+        if self.args.load_balance == "bias":
+            for layer, c in zip(self.moe, global_counts, strict=True):
+                layer.update_bias(BIAS_UPDATE_RATE, c)
+        loads = [metrics.expert_load(i, [int(x) for x in c.tolist()]) for i, c in enumerate(global_counts)]
+        if self._save_due(step, stop):
+            if self.ckpt.step is not None:
+                # the previous save is still being written: let it land first
+                self.ckpt.wait_local(timeout_s=self.spec.pg_timeout_s)
+                self.recorder.barrier()
+                saved = self.ckpt.step
+                path, sha = self.ckpt.commit(saved)
+                committed = (saved, path, sha, self._pending_save_s)
+            self._start_save(step)
+        return StepResult(
+            step=step, loss=stats[0].item() / world, aux_loss=stats[1].item() / world,
+            grad_norm=grad_norm, lr=lr, step_time_s=time.perf_counter() - t0,
+            tokens=train.batch_size * train.seq_len * accum, stop=stop, expert_load=loads,
+            committed=committed,
+        )
+
+    def _aux_loss(self) -> torch.Tensor:
+        """Weighted router loss of the last forward (0 without MoE or in "bias" mode)."""
+        if self.args.load_balance != "aux_loss" or not self.moe:
+            return torch.zeros((), device=self.device)
+        return self.args.aux_loss_coef * sum(layer.last_aux_loss for layer in self.moe)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # GPUs run the high-precision parts in bf16 (FP8 linears cast for themselves);
+        # on CPU everything not FP8 stays fp32, which is what the tests compare against.
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """cuda:<local_rank> when a GPU is visible, else the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for GPU tensors, with gloo alongside for CPU-side collectives; gloo on CPU."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def world_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
