@@ -69,8 +69,14 @@ def run_torchrun(cluster: Path, timeout_s: float) -> dict[str, float]:
             "--steps", str(job.steps),
             "--checkpoint-dir", str(Path(tmp) / "ckpt"),
             "--checkpoint-interval", str(job.checkpoint_interval),
-            "--preset", job.model.preset,
+            "--preset", job.model.preset, "--fp8", job.model.args().fp8,
+            "--batch-size", str(job.batch_size), "--seq-len", str(job.seq_len),
+            "--ep-size", str(job.ep_size), "--data-parallel", job.data_parallel,
+            "--grad-accum-steps", str(job.grad_accum_steps), "--warmup-steps", str(job.warmup_steps),
+            "--lr", str(job.lr),
         ]
+        if not job.async_checkpoint:
+            cmd.append("--sync-checkpoint")
         env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
         t0 = time.perf_counter()
         out = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout_s,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -115,6 +116,9 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None) -> dict:
         if dist.is_initialized():
             if tail is not None:
                 tail.poll()  # the ring dies with the process group: ship its last entries
+            # FSDP's reference cycles can keep the group alive into interpreter shutdown,
+            # which then aborts ("terminate called without an active exception")
+            gc.collect()
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - already failing or finished; report and move on

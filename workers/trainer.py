@@ -25,6 +25,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,7 @@ class Trainer:
         ep_group = self.meshes.ep_group if self.train.ep_size > 1 else None
         model = Transformer(self.args, seed=self.train.seed, ep_group=ep_group).to(device)
         self.moe = model.moe_layers()  # before any wrapping hides the blocks' types
+        self.moe_layer_ids = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
         if self.train.activation_checkpointing:
             for i, block in enumerate(model.layers):
                 model.layers[i] = checkpoint_wrapper(block)
@@ -83,6 +85,7 @@ class Trainer:
         self.peak_flops = metrics.peak_flops(device)
         self.ckpt: checkpoint.AsyncCheckpointer | None = None
         self._pending_save_s = 0.0
+        self._data_position: int | None = None  # token-file window of the last micro-batch
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -107,6 +110,7 @@ class Trainer:
         if self.train.checkpoint_interval > 0:
             self.ckpt = checkpoint.AsyncCheckpointer(
                 self.spec.checkpoint_dir, keep=self.train.keep_checkpoints, resume_step=step,
+                timeout=timedelta(seconds=self.spec.pg_timeout_s),
                 ep_rank=self.meshes.ep_rank, ep_size=self.train.ep_size)
         return step
 
@@ -119,7 +123,8 @@ class Trainer:
 
     def _start_save(self, step: int) -> None:
         assert self.ckpt is not None
-        self._pending_save_s = self.ckpt.start(step, self.model, self.optimizer, extra=self._extra())
+        self._pending_save_s = self.ckpt.start(step, self.model, self.optimizer, extra=self._extra(),
+                                               data_position=self._data_position)
         if not self.train.async_checkpoint:
             # synchronous mode: the loop waits for the write itself
             t0 = time.perf_counter()
@@ -156,6 +161,7 @@ class Trainer:
             # every micro-batch of every step reads its own, reproducible data
             b = data.batch(train, self.args.vocab_size, (step - 1) * accum + micro + 1,
                            self.spec.rank, dp_size=world)
+            self._data_position = b.position
             inputs, targets, doc_ids = (t.to(self.device) for t in (b.inputs, b.targets, b.doc_ids))
             with self._autocast():
                 logits = self.model(inputs, doc_ids)
@@ -191,7 +197,8 @@ class Trainer:
         if self.args.load_balance == "bias":
             for layer, c in zip(self.moe, global_counts, strict=True):
                 layer.update_bias(BIAS_UPDATE_RATE, c)
-        loads = [metrics.expert_load(i, [int(x) for x in c.tolist()]) for i, c in enumerate(global_counts)]
+        loads = [metrics.expert_load(layer_id, [int(x) for x in c.tolist()])
+                 for layer_id, c in zip(self.moe_layer_ids, global_counts, strict=True)]
         if self._save_due(step, stop):
             if self.ckpt.step is not None:
                 # the previous save is still being written: let it land first

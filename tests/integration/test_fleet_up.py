@@ -159,9 +159,16 @@ def test_fleet_up_runs_a_job_to_success(tmp_path: Path) -> None:
             if ops == {"all_reduce"}:
                 sizes = {cs[seq - 1].input_sizes for cs in per_rank.values()}
                 assert len(sizes) == 1, f"ranks disagree on the sizes of collective {seq}: {sizes}"
-        # the native flight recorder also sees what torch.distributed.checkpoint issues
-        all_ops = {c.op for c in per_rank[0]}
-        assert {"all_reduce", "broadcast"} <= all_ops and all_ops & {"scatter", "gather", "all_gather"}
+        # the native flight recorder also sees what FSDP2, expert parallelism and
+        # torch.distributed.checkpoint issue, on every group they use
+        all_ops = {c.op for c in colls if c.rank == 0}
+        assert {"all_reduce", "broadcast", "all_gather"} <= all_ops, all_ops
+        assert any("all_to_all" in op or "alltoall" in op for op in all_ops), all_ops
+        assert len({c.group for c in colls}) >= 3
+        # step metrics of the MoE/FP8 stack reach the store
+        for s in rows:
+            assert s.grad_norm > 0 and s.lr > 0 and s.aux_loss > 0 and s.mfu > 0
+            assert [x["layer"] for x in s.expert_load] == [1, 3]  # tiny's MoE layers
         # checkpoints: recorded valid and present on disk with their manifest
         ckpts = store.checkpoints(job.id)
         assert [c.step for c in ckpts if c.valid][-1] == steps
