@@ -13,9 +13,8 @@ times each (order flipped every repeat, so drift hits both alike):
     time during the save against a step without one (2 CPU cores are shared with the
     writer thread, so overlap is not free here);
   * restore: ``checkpoint.load`` of the last committed checkpoint into a fresh model.
-Figures are medians over the repeats, per rank maximum. If the model cannot be built
-with ``ep_group`` (model rewrite not landed), a stand-in MoE of about the same parameter
-count is used and the output says so. The last line of output is one JSON object.
+Figures are medians over the repeats, per rank maximum. The last line of output is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -36,21 +35,12 @@ sys.path.insert(0, str(REPO))
 
 
 def _build(preset: str, meshes, seed: int):
-    """``(model, kind)``: the real model, or a stand-in of about its parameter count."""
+    """``(model, kind)``: the preset's Llama-4-style model, experts split over the EP group."""
+    from workers.model import Transformer
     from workers.spec import PRESETS
 
-    args = PRESETS[preset]
     ep_group = meshes.ep_group if meshes.ep_size > 1 else None
-    try:
-        from workers.model import Transformer
-
-        return Transformer(args, seed=seed, ep_group=ep_group), "workers.model.Transformer"
-    except TypeError:
-        from tests.unit.test_workers_parallel import StandInMoE
-
-        return (StandInMoE(vocab=args.vocab_size, dim=args.dim, n_layers=args.n_layers,
-                           hidden=args.moe_hidden, n_experts=args.n_experts, moe_every=args.moe_every,
-                           seed=seed, ep_group=ep_group), "stand-in")
+    return Transformer(PRESETS[preset], seed=seed, ep_group=ep_group), "workers.model.Transformer"
 
 
 def _worker(rank: int, world: int, port: int, preset: str, repeats: int, root: str, out: str) -> None:
@@ -59,12 +49,13 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, root: s
     import torch.nn.functional as F
 
     from workers import checkpoint, data, parallel
+    from workers.rendezvous import loopback_store
     from workers.recorder import FlightRecorder
     from workers.spec import PRESETS, TrainArgs
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", store=loopback_store(rank, world, port), rank=rank,
                             world_size=world, timeout=timedelta(minutes=10))
     args = PRESETS[preset]
     ep = world if args.n_experts and args.n_experts % world == 0 else 1

@@ -44,3 +44,18 @@ def rendezvous_store(spec: WorkerSpec, listen_socket: socket.socket | None) -> d
     )
     sock.detach()  # the store now owns (and eventually closes) the descriptor
     return store
+
+
+def loopback_store(rank: int, world_size: int, port: int, timeout_s: float = 60.0) -> dist.TCPStore:
+    """A TCPStore on 127.0.0.1:port for a group of local processes (tests, benchmarks):
+    like ``init_method="tcp://127.0.0.1:port"``, but rank 0 listens on loopback only."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    sock = listen_on("127.0.0.1", port)
+    store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout,
+                          wait_for_workers=False, master_listen_fd=sock.fileno())
+    sock.detach()
+    return store

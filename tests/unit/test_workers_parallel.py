@@ -20,6 +20,7 @@ from torch import nn
 
 from tests.unit.test_workers_support import run_ranks
 from workers import parallel
+from workers.rendezvous import loopback_store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,7 +153,7 @@ class StandInMoE(nn.Module):
 def init_pg(rank: int, world_size: int, port: int) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", store=loopback_store(rank, world_size, port), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=30))
 
 

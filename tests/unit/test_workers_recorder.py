@@ -11,13 +11,14 @@ import torch.distributed as dist
 from fleet_proto import events_pb2
 from tests.unit.test_workers_support import run_ranks
 from workers.recorder import FlightRecorder
+from workers.rendezvous import loopback_store
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _record_some(rank: int, world_size: int, port: int) -> list[bytes]:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", store=loopback_store(rank, world_size, port), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=30))
     try:
         events: list[events_pb2.Event] = []

@@ -16,6 +16,7 @@ from tests.unit.test_workers_support import AgentServer, Ranks, free_port, wait_
 from workers.recorder import FlightRecorder
 from workers.reporter import Reporter
 from workers.spec import WorkerSpec
+from workers.rendezvous import loopback_store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,7 +143,7 @@ def test_discard_mode_runs_no_thread():
 
 def _hang_then_join(rank: int, world_size: int, port: int, agent_address: str) -> int:
     spec = _spec(agent_address, rank=rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", store=loopback_store(rank, world_size, port), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=30))
     try:
         with Reporter(spec) as rep:
