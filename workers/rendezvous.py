@@ -38,10 +38,15 @@ def rendezvous_store(spec: WorkerSpec, listen_socket: socket.socket | None) -> d
     if spec.rank != 0 or spec.external_store:
         return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
     sock = listen_socket or listen_on(spec.master_addr, spec.master_port)
-    store = dist.TCPStore(
-        spec.master_addr, sock.getsockname()[1], spec.world_size, True, timeout,
-        wait_for_workers=False, master_listen_fd=sock.fileno(),
-    )
+    return _serve(sock, spec.master_addr, spec.world_size, timeout)
+
+
+def _serve(sock: socket.socket, host: str, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The master TCPStore, served from an already listening socket."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, sock.getsockname()[1], world_size, True, timeout,
+                          wait_for_workers=False, master_listen_fd=sock.fileno())
     sock.detach()  # the store now owns (and eventually closes) the descriptor
     return store
 
@@ -54,8 +59,4 @@ def loopback_store(rank: int, world_size: int, port: int, timeout_s: float = 60.
     timeout = timedelta(seconds=timeout_s)
     if rank != 0:
         return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
-    sock = listen_on("127.0.0.1", port)
-    store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout,
-                          wait_for_workers=False, master_listen_fd=sock.fileno())
-    sock.detach()
-    return store
+    return _serve(listen_on("127.0.0.1", port), "127.0.0.1", world_size, timeout)
