@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.torchrun_workers import run_workers  # noqa: E402
 from controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config  # noqa: E402
 
 FLEET_PARTS = ("ray_start_s", "controller_start_s", "agents_start_s", "placement_s")
@@ -59,34 +58,19 @@ def run_fleet(cluster: Path, timeout_s: float) -> dict[str, float]:
 
 
 def run_torchrun(cluster: Path, timeout_s: float) -> dict[str, float]:
-    cfg = load_cluster_config(cluster)
-    job = cfg.job
-    with tempfile.TemporaryDirectory(prefix="fleet-bench-torchrun-") as tmp:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(job.world_size),
-            "-m", "workers.train",
-            "--steps", str(job.steps),
-            "--checkpoint-dir", str(Path(tmp) / "ckpt"),
-            "--checkpoint-interval", str(job.checkpoint_interval),
-            "--preset", job.model.preset, "--fp8", job.model.args().fp8,
-            "--batch-size", str(job.batch_size), "--seq-len", str(job.seq_len),
-            "--ep-size", str(job.ep_size), "--data-parallel", job.data_parallel,
-            "--grad-accum-steps", str(job.grad_accum_steps), "--warmup-steps", str(job.warmup_steps),
-            "--lr", str(job.lr),
-        ]
-        if not job.async_checkpoint:
-            cmd.append("--sync-checkpoint")
-        env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
-        t0 = time.perf_counter()
-        out = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout_s,
-                             env={**os.environ, **env})
-        wall = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise SystemExit(f"torchrun failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    results = [json.loads(m) for m in re.findall(r"FLEET_WORKER_RESULT (\{[^}]*\})", out.stdout)]
-    if len(results) != job.world_size:
-        raise SystemExit(f"torchrun: expected {job.world_size} rank results, got {len(results)}")
+    job = load_cluster_config(cluster).job
+    args = [
+        "--steps", str(job.steps),
+        "--checkpoint-interval", str(job.checkpoint_interval),
+        "--preset", job.model.preset, "--fp8", job.model.args().fp8,
+        "--batch-size", str(job.batch_size), "--seq-len", str(job.seq_len),
+        "--ep-size", str(job.ep_size), "--data-parallel", job.data_parallel,
+        "--grad-accum-steps", str(job.grad_accum_steps), "--warmup-steps", str(job.warmup_steps),
+        "--lr", str(job.lr),
+    ]
+    if not job.async_checkpoint:
+        args.append("--sync-checkpoint")
+    wall, results = run_workers(job.world_size, args, timeout_s, "torchrun")
     training = max(r["train_s"] for r in results)
     return {
         "wall_s": wall,

@@ -14,33 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.torchrun_workers import run_workers  # noqa: E402
 
 
 def run(preset: str, ranks: int, fp8: str, steps: int, batch: int, seq: int, timeout_s: float) -> float:
     """Seconds the slowest rank spent in the training loop for ``steps`` steps."""
-    with tempfile.TemporaryDirectory(prefix="fleet-bench-step-") as tmp:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-            "-m", "workers.train", "--steps", str(steps), "--checkpoint-dir", str(Path(tmp) / "ckpt"),
-            "--checkpoint-interval", "0", "--preset", preset, "--fp8", fp8,
-            "--batch-size", str(batch), "--seq-len", str(seq), "--warmup-steps", "0",
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
-        out = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout_s, env=env)
-    if out.returncode != 0:
-        raise SystemExit(f"{preset} x{ranks} fp8={fp8} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    results = [json.loads(m) for m in re.findall(r"FLEET_WORKER_RESULT (\{[^}]*\})", out.stdout)]
-    if len(results) != ranks:
-        raise SystemExit(f"expected {ranks} rank results, got {len(results)}")
+    args = ["--steps", str(steps), "--checkpoint-interval", "0", "--preset", preset, "--fp8", fp8,
+            "--batch-size", str(batch), "--seq-len", str(seq), "--warmup-steps", "0"]
+    _, results = run_workers(ranks, args, timeout_s, f"{preset} x{ranks} fp8={fp8}")
     return max(r["train_s"] for r in results)
 
 

@@ -131,15 +131,22 @@ class Trainer:
             self.ckpt.wait_local(timeout_s=self.spec.pg_timeout_s)
             self._pending_save_s += time.perf_counter() - t0
 
+    def _commit(self, wait: bool) -> tuple[int, str, str, float]:
+        """Commit the save in flight on every rank; ``wait``: first let it land everywhere
+        (otherwise the step's all-reduce already said every rank is done)."""
+        assert self.ckpt is not None and self.ckpt.step is not None
+        if wait:
+            self.ckpt.wait_local(timeout_s=self.spec.pg_timeout_s)
+            self.recorder.barrier()  # every rank's part is on disk
+        step = self.ckpt.step
+        path, sha = self.ckpt.commit(step)
+        return step, path, sha, self._pending_save_s
+
     def finish_checkpoints(self) -> tuple[int, str, str, float] | None:
         """End of training: wait for the save in flight, then commit it everywhere."""
         if self.ckpt is None or self.ckpt.step is None:
             return None
-        step = self.ckpt.step
-        self.ckpt.wait_local(timeout_s=self.spec.pg_timeout_s)
-        self.recorder.barrier()  # every rank's part is on disk
-        path, sha = self.ckpt.commit(step)
-        return step, path, sha, self._pending_save_s
+        return self._commit(wait=True)
 
     def close(self) -> None:
         if self.ckpt is not None:
@@ -190,9 +197,7 @@ class Trainer:
         stop = stats[2].item() > 0
         committed = None
         if self.ckpt is not None and self.ckpt.step is not None and int(stats[3].item()) == world:
-            saved = self.ckpt.step
-            path, sha = self.ckpt.commit(saved)
-            committed = (saved, path, sha, self._pending_save_s)
+            committed = self._commit(wait=False)
         global_counts = stats[4:].view(len(self.moe), -1)
         if self.args.load_balance == "bias":
             for layer, c in zip(self.moe, global_counts, strict=True):
@@ -201,12 +206,7 @@ class Trainer:
                  for layer_id, c in zip(self.moe_layer_ids, global_counts, strict=True)]
         if self._save_due(step, stop):
             if self.ckpt.step is not None:
-                # the previous save is still being written: let it land first
-                self.ckpt.wait_local(timeout_s=self.spec.pg_timeout_s)
-                self.recorder.barrier()
-                saved = self.ckpt.step
-                path, sha = self.ckpt.commit(saved)
-                committed = (saved, path, sha, self._pending_save_s)
+                committed = self._commit(wait=True)  # the previous save must land first
             self._start_save(step)
         return StepResult(
             step=step, loss=stats[0].item() / world, aux_loss=stats[1].item() / world,
