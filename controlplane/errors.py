@@ -24,6 +24,13 @@ class ConfigError(FleetError):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class DumpError(FleetError):
+    """A flight-recorder dump file that cannot be read; the message names the file."""
+
+    exit_code = 2
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
 class NotFoundError(FleetError):
     """A job, attempt, node or rank that does not exist."""
 

@@ -1,30 +1,76 @@
 """The replay report of a job from the store: per attempt, who ran where, what each
-rank's collectives looked like, and the step timeline.
+rank's collectives looked like, the desync verdict, and the step timeline.
 
 Reads only through the Store's domain methods and returns plain dicts, so the CLI can
-print them as tables or JSON. (The desync verdict over these traces is the diagnosis
-engine's job; this module only gathers.)
+print them as tables or JSON. The verdict itself is the diagnosis engine's
+(controlplane/diagnosis); this module turns stored collectives into its traces.
 """
 
 from __future__ import annotations
 
+import time
 from statistics import median
 from typing import Any
 
+from controlplane.diagnosis import Diagnosis, SignatureTable, TraceBuilder, TraceSet, diagnose
+from controlplane.diagnosis.traces import normalize_op
+from controlplane.lifecycle import AttemptState
 from controlplane.store import Store
+
+#: Attempt states whose traces may still grow (their waits can be in flight).
+_LIVE = {AttemptState.PLACING, AttemptState.RUNNING}
+
+
+def attempt_traces(store: Store, job_id: str, attempt: int) -> TraceSet:
+    """Every rank's stored collectives of one attempt, as diagnosis traces."""
+    table = SignatureTable()
+    builders: dict[int, TraceBuilder] = {}
+
+    def builder(rank: int) -> TraceBuilder:
+        b = builders.get(rank)
+        if b is None:
+            b = builders[rank] = TraceBuilder(rank, table, source="store")
+        return b
+
+    for g in store.process_groups(job_id, attempt):
+        for name in (g.group, f"{g.group}:p2p"):
+            builder(g.rank).declare_group(name, g.desc, g.ranks)
+    for c in store.collectives(job_id, attempt):
+        b = builder(c.rank)
+        op, meta = normalize_op(c.op)
+        sig = table.intern(op, c.input_sizes, c.output_sizes, c.input_dtypes, c.output_dtypes)
+        done = c.state != "started"
+        if op in ("send", "recv"):
+            b.add_p2p(c.group, op, meta, c.seq, sig, c.enter_ns, done)
+        else:
+            b.add_collective(c.group, c.seq, sig, c.enter_ns, 0 if c.exit_estimated else (c.exit_ns or 0), done)
+    ranks = {r: b.finish() for r, b in builders.items()}
+    for r in store.ranks(job_id, attempt):  # a rank that shipped nothing still belongs
+        ranks.setdefault(r.rank, builder(r.rank).finish())
+    return TraceSet(source=f"store:{job_id}", ranks=ranks, table=table, attempt=attempt)
+
+
+def diagnose_attempt(store: Store, job_id: str, attempt: int) -> tuple[TraceSet, Diagnosis]:
+    """The traces and desync verdict of one attempt (a running one is judged as live)."""
+    traces = attempt_traces(store, job_id, attempt)
+    live = any(a.number == attempt and a.state in _LIVE for a in store.get_attempts(job_id))
+    return traces, diagnose(traces, now_ns=time.time_ns() if live else None)
 
 
 def replay_report(store: Store, job_id: str, attempt: int | None = None) -> dict[str, Any]:
-    """Everything `fleet replay` shows about one job (all attempts, or one)."""
+    """Everything `fleet replay` shows about one job (all attempts, or one); each
+    attempt carries its ``diagnosis`` (the engine's JSON form)."""
     job = store.get_job(job_id)
     attempts = [a for a in store.get_attempts(job_id) if attempt is None or a.number == attempt]
     summaries = store.collective_summary(job_id, attempt)
     out_attempts = []
     for a in attempts:
         steps = store.steps(job_id, attempt=a.number)
+        _, diagnosis = diagnose_attempt(store, job_id, a.number)
         out_attempts.append(
             {
                 "attempt": a.number,
+                "diagnosis": diagnosis.to_json(),
                 "state": a.state.value,
                 "restored_step": a.restored_step,
                 "final_step": a.final_step,

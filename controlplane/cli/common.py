@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
-from controlplane.store import Store
+if TYPE_CHECKING:
+    from controlplane.store import Store
 
 DEFAULT_STORE_URL = "sqlite:///.fleet/fleet.db"
 
@@ -28,6 +28,10 @@ StateDirOpt = Annotated[
 
 def open_store(store: str | None, cluster: Path | None) -> Store:
     """The store named by --store, else by the cluster file's store.url."""
+    # imported here: commands that need no store (replay --dumps) start faster
+    from controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
+    from controlplane.store import Store
+
     if store:
         return Store(store)
     if cluster is not None:

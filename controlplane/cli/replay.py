@@ -1,19 +1,44 @@
-"""`fleet replay <job-id>`: a job's collective traces and step timeline from the store."""
+"""`fleet replay`: the desync verdict, wavefront and timelines of a job's collectives
+(from the store) or of a folder of native flight-recorder dumps (`--dumps`)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
-from controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
-from controlplane.cli.render import console, print_json, print_table
-from controlplane.replay import replay_report
+from controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt
+from controlplane.cli.render import console, err_console, print_json, print_table
+from controlplane.errors import ConfigError, NotFoundError
 
 
 def replay(
-    job_id: Annotated[str, typer.Argument(help="Job id (see `fleet jobs`).")],
+    job_id: Annotated[str | None, typer.Argument(help="Job id (see `fleet jobs`).")] = None,
+    dumps: Annotated[
+        Path | None,
+        typer.Option("--dumps", help="Analyse this folder of native PyTorch flight-recorder dumps "
+                     "(one file per rank, named <prefix><rank>) instead of a job."),
+    ] = None,
+    prefix: Annotated[
+        str | None, typer.Option("--prefix", help="With --dumps: the file-name prefix before the rank "
+                                 "[default: inferred]")
+    ] = None,
     attempt: Annotated[int | None, typer.Option("--attempt", "-a", help="Only this attempt.")] = None,
+    ranks: Annotated[
+        list[int] | None, typer.Option("--rank", "-r", help="Show only this rank (repeatable).")
+    ] = None,
+    group: Annotated[str | None, typer.Option("--group", "-g", help="Show only this process group.")] = None,
+    around_seq: Annotated[
+        int | None, typer.Option("--around-seq", help="Show only collectives within --window of this "
+                                 "sequence number.")
+    ] = None,
+    window: Annotated[int, typer.Option("--window", help="Half-width of --around-seq.")] = 5,
+    perfetto: Annotated[
+        Path | None, typer.Option("--perfetto", help="Write a Chrome/Perfetto trace JSON here "
+                                  "(open it in ui.perfetto.dev).")
+    ] = None,
     last_steps: Annotated[
         int, typer.Option("--steps", help="Show the last N steps of each attempt (0 = all).")
     ] = 20,
@@ -21,12 +46,132 @@ def replay(
     cluster: ClusterOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Per-rank collective summary and per-step table of a job, every attempt."""
+    """Desync verdict (which rank, which collective, why), per-rank wavefront and step
+    timeline of a job, every attempt; or the same analysis over a folder of dumps."""
+    if (job_id is None) == (dumps is None):
+        raise ConfigError("fleet replay: give a JOB_ID or --dumps DIR (exactly one)")
+    if window < 0:
+        raise ConfigError(f"--window: must be >= 0, got {window}")
+    view = _View(set(ranks) if ranks else None, group,
+                 (around_seq - window, around_seq + window) if around_seq is not None else None)
+    if dumps is not None:
+        _replay_dumps(dumps, prefix, view, perfetto, json_out)
+    else:
+        _replay_job(job_id or "", attempt, view, perfetto, last_steps, store, cluster, json_out)
+
+
+class _View:
+    """The --rank/--group/--around-seq selection, applied to what is shown (the analysis
+    always sees every rank: a culprit needs the others' evidence)."""
+
+    def __init__(self, ranks: set[int] | None, group: str | None, seqs: tuple[int, int] | None) -> None:
+        self.ranks, self.group, self.seqs = ranks, group, seqs
+
+    def keep(self, row: dict[str, Any], seq_key: str = "seq") -> bool:
+        if self.group is not None and row.get("group") != self.group:
+            return False
+        if self.ranks is not None:
+            rs = set(row.get("ranks", [])) | set(row.get("waiting_ranks", []))
+            if "rank" in row:
+                rs.add(row["rank"])
+            if not rs & self.ranks:
+                return False
+        if self.seqs is not None and seq_key in row and not self.seqs[0] <= row[seq_key] <= self.seqs[1]:
+            return False
+        return True
+
+    def apply(self, diag: dict[str, Any]) -> dict[str, Any]:
+        out = dict(diag)
+        out["findings"] = [f for f in diag["findings"] if self.keep(f)]
+        out["wavefront"] = [w for w in diag["wavefront"] if self.keep(w, "last_entered_seq")]
+        return out
+
+
+def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path | None, json_out: bool) -> None:
+    from controlplane.diagnosis import diagnose, load_traces
+
+    if json_out:
+        traces = load_traces(folder, prefix)
+    else:
+        with console.status(f"reading dumps in {folder} ...") as status:
+            traces = load_traces(folder, prefix,
+                                 progress=lambda done, total: status.update(f"read {done}/{total} dumps"))
+    diag = diagnose(traces)
+    if perfetto is not None:
+        _write_perfetto(perfetto, traces, diag, view)
+    out = view.apply(diag.to_json())
+    if json_out:
+        print_json(out)
+        return
+    _print_diagnosis(out, title=f"{folder}: {len(diag.ranks)} ranks")
+
+
+def _replay_job(job_id: str, attempt: int | None, view: _View, perfetto: Path | None, last_steps: int,
+                store: str | None, cluster: Path | None, json_out: bool) -> None:
+    from controlplane.cli.common import open_store
+    from controlplane.replay import diagnose_attempt, replay_report
+
     with open_store(store, cluster) as st:
         report = replay_report(st, job_id, attempt)
+        if attempt is not None and not report["attempts"]:
+            raise NotFoundError(f"job {job_id} has no attempt {attempt}")
+        chosen = report["attempts"][-1]["attempt"] if report["attempts"] else None
+        if perfetto is not None and chosen is not None:
+            traces, diag = diagnose_attempt(st, job_id, chosen)
+            _write_perfetto(perfetto, traces, diag, view)
+    for a in report["attempts"]:
+        a["diagnosis"] = view.apply(a["diagnosis"])
+        a["collectives"] = [c for c in a["collectives"] if view.keep(c, seq_key="")]
     if json_out:
-        print_json(report)
+        top = report["attempts"][-1]["diagnosis"] if report["attempts"] else {
+            "source": f"store:{job_id}", "attempt": None, "verdict": "empty", "culprit_ranks": [],
+            "findings": []}
+        print_json({**top, "job": report["job"], "attempts": report["attempts"],
+                    "incidents": report["incidents"], "checkpoints": report["checkpoints"]})
         return
+    _print_job(report, last_steps)
+
+
+def _write_perfetto(path: Path, traces: Any, diag: Any, view: _View) -> None:
+    from controlplane.diagnosis.perfetto import perfetto_trace
+
+    doc = perfetto_trace(traces, diag, ranks=view.ranks, group=view.group, seq_range=view.seqs)
+    try:
+        path.write_text(json.dumps(doc, separators=(",", ":")))
+    except OSError as exc:
+        raise ConfigError(f"--perfetto {path}: cannot write ({exc.strerror or exc})") from None
+    err_console.print(f"wrote {path} ({len(doc['traceEvents'])} events); open it in https://ui.perfetto.dev")
+
+
+_VERDICT_STYLE = {"ok": "green", "hang": "red", "mismatch": "red", "straggler": "yellow", "empty": "dim"}
+
+
+def _print_diagnosis(d: dict[str, Any], title: str) -> None:
+    style = _VERDICT_STYLE.get(d["verdict"], "bold")
+    console.print(f"{title}: [{style}]{d['verdict'].upper()}[/] {d['summary']}", highlight=False)
+    if d.get("missing_ranks"):
+        console.print(f"[yellow]no trace from ranks {d['missing_ranks']}[/]")
+    if d["findings"]:
+        print_table("findings", ["kind", "group", "seq", "ranks", "waiting", "detail"],
+                    [[f["kind"], f["group"], f["seq"], _short(f["ranks"]), _short(f.get("waiting_ranks", [])),
+                      f["detail"]] for f in d["findings"]])
+    waves = d["wavefront"]
+    if waves:
+        culprits = set(d["culprit_ranks"])
+        print_table("wavefront: where each rank stands in each group",
+                    ["rank", "group", "last entered", "op", "last completed", "state"],
+                    [[f"[red]{w['rank']}[/]" if w["rank"] in culprits else w["rank"], w["group"],
+                      w["last_entered_seq"], w["last_entered_op"], w["last_completed_seq"],
+                      "waiting" if w["waiting"] else "-"] for w in waves[:200]])
+        if len(waves) > 200:
+            console.print(f"... {len(waves) - 200} more rows (use --rank/--group or --json)")
+
+
+def _short(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)} ranks"
+
+
+def _print_job(report: dict[str, Any], last_steps: int) -> None:
     job = report["job"]
     console.print(
         f"[bold]{job['id']}[/] {job['name']}: {job['state']}, step {job['steps_completed']}/"
@@ -44,6 +189,7 @@ def replay(
             f"{'step ' + str(restored) if restored else 'scratch'}, final step {a['final_step']}"
         )
         nodes = {r["rank"]: r["node"] for r in a["ranks"]}
+        _print_diagnosis(a["diagnosis"], title=f"attempt {a['attempt']}")
         print_table(
             "collectives per rank and group",
             ["rank", "node", "group", "#ops", "seq range", "consecutive", "#done", "last done", "ops", "mean ms"],

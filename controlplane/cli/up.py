@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.logging import RichHandler
@@ -17,10 +17,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from controlplane.cli.render import console, err_console, print_json
 from controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
-from controlplane.controller import Controller, Progress as JobProgress
 from controlplane.errors import FleetError, Interrupted, JobFailedError
 from controlplane.lifecycle import JobState
-from controlplane.store import Store
+
+if TYPE_CHECKING:
+    from controlplane.controller import Progress as JobProgress
+    from controlplane.store import Store
 
 
 def _setup_logging(state_dir: Path, verbose: bool) -> Path:
@@ -45,6 +47,10 @@ def up(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show controller logs.")] = False,
 ) -> None:
     """Run the job described in a cluster.yaml until it succeeds, fails for good, or is stopped."""
+    # imported here: the other commands need no controller, and start faster without it
+    from controlplane.controller import Controller
+    from controlplane.store import Store
+
     config = load_cluster_config(cluster)
     state_dir = Path(config.state_dir)
     log_path = _setup_logging(state_dir, verbose)

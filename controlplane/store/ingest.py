@@ -7,6 +7,7 @@ Invariants:
   row, a "started" never overwrites a completion that arrived first, and a completion
   whose start was never seen is inserted as is.
 - Steps, worker statuses: bulk inserts (batch idempotency comes from ``ingest_batches``).
+- Process groups: upserted on (job, attempt, rank, group); a re-send changes nothing.
 - Checkpoints: upserted on (job, step), ``valid=True`` (a re-save of a step replaces it).
 - A RESTORED worker status sets the attempt's ``restored_step``.
 """
@@ -22,7 +23,14 @@ from sqlalchemy import case, insert, update
 from sqlalchemy.orm import Session
 
 from controlplane.store.engine import upsert
-from controlplane.store.schema import Attempt, Checkpoint, Collective, Step, WorkerStatusRow
+from controlplane.store.schema import (
+    Attempt,
+    Checkpoint,
+    Collective,
+    ProcessGroupRow,
+    Step,
+    WorkerStatusRow,
+)
 from fleet_proto import events_pb2
 
 _COLLECTIVE_KEY = ["job_id", "attempt", "rank", "group_name", "seq"]
@@ -81,6 +89,11 @@ def _collective_upsert(dialect_name: str):
     )
 
 
+def _group_upsert(dialect_name: str):
+    return upsert(dialect_name, ProcessGroupRow.__table__, ["job_id", "attempt", "rank", "group_name"],
+                  {col: (lambda ex, col=col: ex[col]) for col in ("desc", "ranks")})
+
+
 def _checkpoint_upsert(dialect_name: str):
     cols = ["attempt", "path", "manifest_sha256", "save_s", "valid", "created_at"]
     return upsert(
@@ -98,6 +111,7 @@ def write_events(session: Session, events: Sequence[events_pb2.Event]) -> None:
     statuses: list[dict[str, Any]] = []
     checkpoints: list[dict[str, Any]] = []
     restored: list[dict[str, Any]] = []
+    groups: dict[tuple, dict[str, Any]] = {}
     for event in events:
         kind = event.WhichOneof("kind")
         if kind == "collective":
@@ -133,6 +147,11 @@ def write_events(session: Session, events: Sequence[events_pb2.Event]) -> None:
                 "manifest_sha256": ev.manifest_sha256, "save_s": ev.save_s, "valid": True,
                 "created_at": ev.time_ns / 1e9 if ev.time_ns else time.time(),
             })
+        elif kind == "group":
+            ev = event.group
+            key = (ev.job_id, ev.attempt, ev.rank, ev.group)
+            groups[key] = {"job_id": ev.job_id, "attempt": ev.attempt, "rank": ev.rank,
+                           "group_name": ev.group, "desc": ev.desc, "ranks": _dumps(sorted(ev.ranks))}
         # An empty Event (no kind set) carries nothing to store.
 
     dialect_name = session.get_bind().dialect.name
@@ -140,6 +159,8 @@ def write_events(session: Session, events: Sequence[events_pb2.Event]) -> None:
         session.execute(_collective_upsert(dialect_name), _merge_collectives(collectives))
     if steps:
         session.execute(insert(Step.__table__), steps)
+    if groups:
+        session.execute(_group_upsert(dialect_name), list(groups.values()))
     if statuses:
         session.execute(insert(WorkerStatusRow.__table__), statuses)
     if checkpoints:

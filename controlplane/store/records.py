@@ -92,6 +92,16 @@ class CollectiveRecord:
 
 
 @dataclass(frozen=True)
+class ProcessGroupRecord:
+    job_id: str
+    attempt: int
+    rank: int  # the rank that declared the group
+    group: str
+    desc: str
+    ranks: tuple[int, ...]  # members, global ranks
+
+
+@dataclass(frozen=True)
 class CollectiveSummary:
     """Aggregate of one (attempt, rank, group) stream of collectives."""
 

@@ -2,7 +2,7 @@
 
 Metadata tables (jobs, attempts, transitions, nodes, ranks, incidents, actions) are used
 through the ORM. High-volume telemetry tables (collectives, steps, worker_status,
-health_samples) are written with Core bulk inserts of dicts, never ORM objects.
+health_samples, process_groups) are written with Core bulk inserts of dicts, never ORM objects.
 
 Invariants:
 - Times are float Unix seconds (``*_at``, ``last_seen``) or int Unix nanoseconds (``*_ns``).
@@ -148,6 +148,20 @@ class Collective(Base):
     state: Mapped[str] = mapped_column(String(16))  # "started" | "completed" | "failed"
     exit_estimated: Mapped[bool] = mapped_column(Boolean, default=False)
     step: Mapped[int] = mapped_column(BigInteger)
+
+
+class ProcessGroupRow(Base):
+    """A process group as one rank declared it: its members, so the diagnosis engine can
+    tell a member that never entered a collective from a rank outside the group."""
+
+    __tablename__ = "process_groups"
+
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    group_name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    desc: Mapped[str] = mapped_column(String(NAME_LEN))
+    ranks: Mapped[str] = mapped_column(Text)  # JSON list of global ranks
 
 
 class Step(Base):

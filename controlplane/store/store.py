@@ -41,6 +41,7 @@ from controlplane.store.records import (
     IncidentRecord,
     JobRecord,
     NodeRecord,
+    ProcessGroupRecord,
     RankRecord,
     StepRecord,
     TransitionRecord,
@@ -56,6 +57,7 @@ from controlplane.store.schema import (
     IngestBatch,
     Job,
     Node,
+    ProcessGroupRow,
     Rank,
     Step,
     Transition,
@@ -507,6 +509,17 @@ class Store:
                 enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
                 exit_estimated=bool(r.exit_estimated),
             ) for r in s.execute(stmt)]
+
+    def process_groups(self, job_id: str, attempt: int | None = None) -> list[ProcessGroupRecord]:
+        """Process groups as the ranks declared them, ordered by attempt, group, rank."""
+        stmt = select(ProcessGroupRow).where(ProcessGroupRow.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(ProcessGroupRow.attempt == attempt)
+        stmt = stmt.order_by(ProcessGroupRow.attempt, ProcessGroupRow.group_name, ProcessGroupRow.rank)
+        with self._tx(write=False) as s:
+            return [ProcessGroupRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
+                                       desc=r.desc, ranks=tuple(json.loads(r.ranks)))
+                    for r in s.scalars(stmt)]
 
     def collective_summary(self, job_id: str,
                            attempt: int | None = None) -> list[CollectiveSummary]:

@@ -154,17 +154,35 @@ class CheckpointEvent(_message.Message):
     time_ns: int
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., save_s: _Optional[float] = ..., time_ns: _Optional[int] = ...) -> None: ...
 
+class ProcessGroupInfo(_message.Message):
+    __slots__ = ("job_id", "attempt", "rank", "group", "desc", "ranks")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    DESC_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    rank: int
+    group: str
+    desc: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., group: _Optional[str] = ..., desc: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Event(_message.Message):
-    __slots__ = ("collective", "step", "status", "checkpoint")
+    __slots__ = ("collective", "step", "status", "checkpoint", "group")
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     collective: CollectiveEvent
     step: StepEvent
     status: WorkerStatus
     checkpoint: CheckpointEvent
-    def __init__(self, collective: _Optional[_Union[CollectiveEvent, _Mapping]] = ..., step: _Optional[_Union[StepEvent, _Mapping]] = ..., status: _Optional[_Union[WorkerStatus, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointEvent, _Mapping]] = ...) -> None: ...
+    group: ProcessGroupInfo
+    def __init__(self, collective: _Optional[_Union[CollectiveEvent, _Mapping]] = ..., step: _Optional[_Union[StepEvent, _Mapping]] = ..., status: _Optional[_Union[WorkerStatus, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointEvent, _Mapping]] = ..., group: _Optional[_Union[ProcessGroupInfo, _Mapping]] = ...) -> None: ...
 
 class FaultSpec(_message.Message):
     __slots__ = ("kind", "at_step", "duration_s")

@@ -1,0 +1,261 @@
+"""Native PyTorch flight-recorder dumps: find them, read them safely, make traces.
+
+A dump folder holds one file per rank named ``<prefix><rank>`` (``torchfrtrace``'s
+convention), each a pickle (``_dump_fr_trace``, ``_dump_nccl_trace``) or JSON
+(``_dump_fr_trace_json``) document of format version 2.x with keys ``version,
+pg_config, pg_status, entries``.
+
+What is read, and how:
+  * Pickles go through an unpickler that refuses every global, so a dump can only
+    produce plain data: opening a dump from someone else's job runs none of their code.
+  * Any unreadable file (truncated, corrupt, not a dump, unknown major version) stops
+    the analysis with one ``DumpError`` naming the file; a rank with no file is reported
+    as missing, and the analysis goes on with the others.
+  * Group membership comes from ``pg_config`` when the backend fills it (NCCL). torch
+    2.13's gloo leaves it empty, so membership is then inferred from the groups each
+    rank's entries and ``pg_status`` mention.
+  * Files are converted as they are read (one dump alive at a time per process); with
+    many files a pool of processes shares the reading, each sending back compact traces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from controlplane.diagnosis.traces import (
+    RankTrace,
+    SignatureTable,
+    TraceBuilder,
+    TraceSet,
+    normalize_op,
+)
+from controlplane.errors import DumpError
+
+#: Format major versions this reader understands (torch 2.x writes "2.<minor>").
+SUPPORTED_MAJOR = 2
+
+#: Below this many files the pool costs more than it saves.
+POOL_MIN_FILES = 32
+
+_NAME = re.compile(r"^(.*?)(\d+)$")
+
+Progress = Callable[[int, int], None]
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """An unpickler for plain data only: dicts, lists, tuples, strings, numbers."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(
+            f"the file asks for {module}.{name}; a flight-recorder dump holds only plain data")
+
+
+def discover(folder: Path, prefix: str | None = None) -> dict[int, Path]:
+    """The dump files of ``folder`` by rank. Without ``prefix`` it is inferred from the
+    names (all files must share one); raises ``DumpError`` when there is nothing to read."""
+    if not folder.is_dir():
+        raise DumpError(f"{folder}: not a folder of flight-recorder dumps")
+    by_prefix: dict[str, dict[int, Path]] = {}
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.name.startswith(".") or not entry.is_file():
+            continue
+        if prefix is not None:
+            if entry.name.startswith(prefix) and entry.name[len(prefix):].isdigit():
+                by_prefix.setdefault(prefix, {})[int(entry.name[len(prefix):])] = Path(entry.path)
+            continue
+        m = _NAME.match(entry.name)
+        if m:
+            by_prefix.setdefault(m.group(1), {})[int(m.group(2))] = Path(entry.path)
+    if not by_prefix:
+        wanted = f"named {prefix}<rank>" if prefix is not None else "named <prefix><rank>"
+        raise DumpError(f"{folder}: no dump files {wanted}")
+    if len(by_prefix) > 1:
+        counts = ", ".join(f"{p!r} ({len(f)} files)" for p, f in sorted(by_prefix.items()))
+        raise DumpError(f"{folder}: files with several prefixes: {counts}; choose one with --prefix")
+    return next(iter(by_prefix.values()))
+
+
+def read_document(path: Path) -> dict[str, Any]:
+    """One dump file as a dict, checked for the keys and version the engine needs."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DumpError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not data:
+        raise DumpError(f"{path}: empty file")
+    head = data.lstrip()[:1]
+    try:
+        if data[:1] == b"\x80":
+            doc = _PlainDataUnpickler(_BytesReader(data)).load()
+        elif head == b"{":
+            doc = json.loads(data)
+        else:
+            raise DumpError(f"{path}: not a flight-recorder dump (neither pickle nor JSON)")
+    except DumpError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
+            AttributeError, OverflowError, MemoryError, RecursionError, UnicodeDecodeError) as exc:
+        kind = "pickle" if data[:1] == b"\x80" else "JSON"
+        raise DumpError(f"{path}: truncated or corrupt {kind} dump ({type(exc).__name__}: {exc})") from None
+    if not isinstance(doc, dict):
+        raise DumpError(f"{path}: not a flight-recorder dump (top level is {type(doc).__name__}, not a dict)")
+    version = doc.get("version")
+    if not isinstance(version, str) or not re.fullmatch(r"\d+\.\d+", version):
+        raise DumpError(f"{path}: not a flight-recorder dump (no format version)")
+    if int(version.split(".")[0]) != SUPPORTED_MAJOR:
+        raise DumpError(f"{path}: unsupported format version {version} (fleet reads {SUPPORTED_MAJOR}.x)")
+    if not isinstance(doc.get("entries", []), list):
+        raise DumpError(f"{path}: 'entries' is not a list")
+    return doc
+
+
+class _BytesReader:
+    """A minimal file object over bytes (cheaper than io.BytesIO for one read)."""
+
+    __slots__ = ("_data", "_pos")
+
+    def __init__(self, data: bytes) -> None:
+        self._data, self._pos = data, 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._data) if n < 0 else self._pos + n
+        chunk = self._data[self._pos:end]
+        self._pos += len(chunk)
+        return chunk
+
+    def readline(self) -> bytes:
+        end = self._data.find(b"\n", self._pos)
+        end = len(self._data) if end < 0 else end + 1
+        chunk = self._data[self._pos:end]
+        self._pos = end
+        return chunk
+
+    def readinto(self, buf: Any) -> int:
+        chunk = self.read(len(buf))
+        buf[:len(chunk)] = chunk
+        return len(chunk)
+
+
+def _parse_ranks(value: Any) -> list[int]:
+    if isinstance(value, (list, tuple)):
+        return [int(r) for r in value]
+    if isinstance(value, str) and value.strip():
+        parsed = json.loads(value)
+        if isinstance(parsed, list):
+            return [int(r) for r in parsed]
+    return []
+
+
+def rank_trace(rank: int, path: Path, table: SignatureTable) -> RankTrace:
+    """Read one file and convert its entries (raises ``DumpError`` naming the file)."""
+    doc = read_document(path)
+    builder = TraceBuilder(rank, table, source=str(path))
+    where = "pg_config"
+    try:
+        for name, cfg in (doc.get("pg_config") or {}).items():
+            if name and isinstance(cfg, dict):
+                builder.declare_group(str(name), str(cfg.get("desc", "")), _parse_ranks(cfg.get("ranks")))
+        where = "pg_status"
+        builder.trace.status_groups.update(str(k) for k in (doc.get("pg_status") or {}) if k != "")
+        where = "entries"
+        _convert_entries(builder, doc.get("entries") or [], table)
+    except DumpError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise DumpError(f"{path}: malformed {where} ({type(exc).__name__}: {exc})") from None
+    return builder.finish()
+
+
+def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable) -> None:
+    trace = builder.trace
+    # Raw-field key -> signature id: most entries repeat a handful of signatures, so the
+    # cheap repr key avoids normalising sizes for every entry.
+    local: dict[tuple, int] = {}
+    descs = trace.group_desc
+    if entries:
+        trace.first_record = int(entries[0]["record_id"])
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise DumpError(f"{trace.source}: entry {i} is {type(e).__name__}, not a dict")
+        pg = e["process_group"]
+        group = str(pg[0])
+        if group not in descs:
+            descs[group] = str(pg[1]) if len(pg) > 1 else ""
+        pn = e["profiling_name"]
+        ins, outs, ind, outd = e["input_sizes"], e["output_sizes"], e["input_dtypes"], e["output_dtypes"]
+        raw = (pn, repr(ins), repr(outs), repr(ind), repr(outd))
+        sig = local.get(raw)
+        if sig is None:
+            op, _meta = normalize_op(str(pn))
+            sig = local[raw] = table.intern(op, ins or (), outs or (), ind or (), outd or ())
+        done = bool(e.get("retired")) or e.get("state") == "completed"
+        enter = int(e.get("time_created_ns") or 0)
+        if e.get("is_p2p"):
+            op, meta = normalize_op(str(pn))
+            builder.add_p2p(group, op, meta, int(e.get("p2p_seq_id") or 0), sig, enter, done)
+            continue
+        seq = int(e["collective_seq_id"])
+        if seq <= 0:
+            continue
+        builder.add_collective(group, seq, sig, enter, int(e.get("time_discovered_completed_ns") or 0), done)
+    trace.entries = len(entries)
+
+
+def _read_chunk(items: list[tuple[int, str]]) -> tuple[list[RankTrace], list]:
+    """Pool task: convert some files with a private signature table (keys sent back)."""
+    table = SignatureTable()
+    traces = [rank_trace(rank, Path(path), table) for rank, path in items]
+    keys = [(s.op, s.input_sizes, s.output_sizes, s.input_dtypes, s.output_dtypes) for s in table.sigs]
+    return traces, keys
+
+
+def _remap(trace: RankTrace, mapping: list[int]) -> None:
+    for ops in trace.groups.values():
+        ops.sigs = [mapping[s] for s in ops.sigs]
+    for p2p in trace.p2p.values():
+        for op in p2p:
+            op.sig = mapping[op.sig]
+
+
+def load_traces(folder: str | os.PathLike, prefix: str | None = None, *, workers: int | None = None,
+                progress: Progress | None = None) -> TraceSet:
+    """Every rank's trace from a folder of native dumps.
+
+    ``workers``: reader processes (default: the CPUs, when there are enough files);
+    ``progress(done, total)`` is called as files finish."""
+    folder = Path(folder)
+    files = discover(folder, prefix)
+    table = SignatureTable()
+    ranks: dict[int, RankTrace] = {}
+    items = sorted((rank, str(path)) for rank, path in files.items())
+    n_workers = workers if workers is not None else (os.cpu_count() or 1)
+    if n_workers > 1 and len(items) >= POOL_MIN_FILES:
+        chunk = max(4, len(items) // (n_workers * 4))
+        chunks = [items[i:i + chunk] for i in range(0, len(items), chunk)]
+        done = 0
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+        with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
+            for traces, keys in pool.map(_read_chunk, chunks):
+                mapping = [table.intern_key(k) for k in keys]
+                for t in traces:
+                    _remap(t, mapping)
+                    ranks[t.rank] = t
+                done += len(traces)
+                if progress:
+                    progress(done, len(items))
+    else:
+        for n, (rank, path) in enumerate(items, 1):
+            ranks[rank] = rank_trace(rank, Path(path), table)
+            if progress:
+                progress(n, len(items))
+    return TraceSet(source=f"dumps:{folder}", ranks=ranks, table=table)
+

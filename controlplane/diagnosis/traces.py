@@ -1,0 +1,261 @@
+"""Per-rank collective traces in the compact form the diagnosis engine reads.
+
+A ``TraceSet`` holds, for every rank, its collectives per process group as parallel
+lists ordered by sequence number (``GroupOps``), its point-to-point ops, and what the
+rank knows of its groups (description, members). Op signatures (op, sizes, dtypes) are
+interned into one ``SignatureTable`` so that comparing two ranks' collective N is an
+integer comparison, and comparing whole histories is a list comparison in C: that is
+what makes 512 ranks x 2000 entries an affair of a second.
+
+Two producers fill it: native flight-recorder dumps (``controlplane.diagnosis.dumps``)
+and the store (``controlplane.replay``), through ``TraceBuilder``.
+
+Invariants:
+  * ``GroupOps.seqs`` is strictly ascending. Entries that share a sequence number
+    (ops inside a coalesced group) are merged into one ``coalesced`` signature.
+  * Ranks are global ranks. Point-to-point peers are converted from group-local to
+    global ranks when the group's members are known.
+  * Nothing here imports torch, Ray or gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+#: Backend-specific op names, folded to one name per collective.
+OP_ALIASES = {
+    "allreduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce_coalesced",
+    "_allgather_base": "all_gather",
+    "allgather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather_coalesced",
+    "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reducescatter": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all",
+    "all_to_all_single": "all_to_all",
+}
+
+#: Native dtype names (c10 ScalarType names, as dumps write them) as torch's Python names.
+DTYPE_NAMES = {
+    "Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
+    "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8",
+    "Bool": "bool", "Float8_e4m3fn": "float8_e4m3fn", "Float8_e5m2": "float8_e5m2",
+}
+
+
+def normalize_op(name: str) -> tuple[str, str]:
+    """``"nccl:send 0->1"`` -> ``("send", "0->1")``; ``"gloo:allreduce"`` -> ``("all_reduce", "")``."""
+    name = name.split(":", 1)[-1]
+    op, _, meta = name.partition(" ")
+    return OP_ALIASES.get(op, op), meta
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """What every member of a group must agree on for one collective."""
+
+    op: str
+    input_sizes: tuple[tuple[int, ...], ...]
+    output_sizes: tuple[tuple[int, ...], ...]
+    input_dtypes: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+
+    def describe(self) -> str:
+        """One short human form, e.g. ``all_reduce in=[[10]] float32``."""
+        sizes = [list(s) for s in self.input_sizes] if self.input_sizes else [list(s) for s in self.output_sizes]
+        dtypes = ",".join(sorted(set(self.input_dtypes) | set(self.output_dtypes))) or "-"
+        return f"{self.op} {sizes} {dtypes}"
+
+
+class SignatureTable:
+    """Interns signatures: equal signatures get equal small integer ids."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple, int] = {}
+        self.sigs: list[Signature] = []
+
+    def intern(self, op: str, input_sizes: Iterable[Iterable[int]], output_sizes: Iterable[Iterable[int]],
+               input_dtypes: Iterable[str], output_dtypes: Iterable[str]) -> int:
+        """The id of this signature (new or existing)."""
+        key = (op, tuple(tuple(int(d) for d in s) for s in input_sizes),
+               tuple(tuple(int(d) for d in s) for s in output_sizes),
+               tuple(DTYPE_NAMES.get(d, d) for d in input_dtypes),
+               tuple(DTYPE_NAMES.get(d, d) for d in output_dtypes))
+        return self.intern_key(key)
+
+    def intern_key(self, key: tuple) -> int:
+        """The id of a signature given as its field tuple."""
+        sid = self.ids.get(key)
+        if sid is None:
+            sid = self.ids[key] = len(self.sigs)
+            self.sigs.append(Signature(*key))
+        return sid
+
+    def merge(self, first: int, second: int) -> int:
+        """The signature of a coalesced group: both ops' sizes and dtypes, in order."""
+        a, b = self.sigs[first], self.sigs[second]
+        ops = a.op.removeprefix("coalesced(").removesuffix(")").split("+") + [b.op]
+        return self.intern_key((f"coalesced({'+'.join(ops)})", a.input_sizes + b.input_sizes,
+                                a.output_sizes + b.output_sizes, a.input_dtypes + b.input_dtypes,
+                                a.output_dtypes + b.output_dtypes))
+
+
+@dataclass(slots=True)
+class GroupOps:
+    """One rank's collectives on one group, as parallel lists ascending by ``seqs``.
+
+    ``enter_ns`` is when the rank issued the op; ``exit_ns`` 0 when unknown; ``done`` is
+    True once the backend retired the op (for gloo this is also how a timed-out op ends).
+    """
+
+    seqs: list[int] = field(default_factory=list)
+    sigs: list[int] = field(default_factory=list)
+    enter_ns: list[int] = field(default_factory=list)
+    exit_ns: list[int] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
+
+    def index(self, seq: int) -> int | None:
+        """Position of ``seq`` in the lists, or None."""
+        seqs = self.seqs
+        if not seqs:
+            return None
+        i = seq - seqs[0]
+        if 0 <= i < len(seqs) and seqs[i] == seq:  # the common, gap-free case
+            return i
+        lo, hi = 0, len(seqs)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if seqs[mid] < seq:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo if lo < len(seqs) and seqs[lo] == seq else None
+
+    @property
+    def consecutive(self) -> bool:
+        return not self.seqs or self.seqs[-1] - self.seqs[0] + 1 == len(self.seqs)
+
+
+@dataclass(slots=True)
+class P2POp:
+    """One send or recv of one rank: ``peer`` is the partner's global rank."""
+
+    kind: str  # "send" | "recv"
+    peer: int
+    seq: int
+    sig: int
+    enter_ns: int
+    done: bool
+
+
+@dataclass(slots=True)
+class RankTrace:
+    rank: int
+    source: str = ""                                        # file path, or "store"
+    groups: dict[str, GroupOps] = field(default_factory=dict)
+    p2p: dict[str, list[P2POp]] = field(default_factory=dict)
+    group_desc: dict[str, str] = field(default_factory=dict)
+    group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # declared members
+    status_groups: set[str] = field(default_factory=set)   # groups named in pg_status
+    entries: int = 0
+    first_record: int = 0                                   # ring position of the first entry
+
+
+@dataclass
+class TraceSet:
+    """Every rank's trace of one attempt (or one folder of dumps)."""
+
+    source: str
+    ranks: dict[int, RankTrace]
+    table: SignatureTable
+    attempt: int | None = None
+    unreadable: dict[int, str] = field(default_factory=dict)  # rank -> why its trace is missing
+
+
+class TraceBuilder:
+    """Accumulates one rank's entries into a ``RankTrace``."""
+
+    def __init__(self, rank: int, table: SignatureTable, source: str = "") -> None:
+        self.table = table
+        self.trace = RankTrace(rank=rank, source=source)
+        self._pending_p2p: list[tuple[str, str, str, int, int, int, bool]] = []
+
+    def declare_group(self, group: str, desc: str = "", ranks: Iterable[int] = ()) -> None:
+        """Record what the rank knows of ``group``: its description and members."""
+        if desc:
+            self.trace.group_desc.setdefault(group, desc)
+        members = tuple(sorted(int(r) for r in ranks))
+        if members:
+            self.trace.group_ranks[group] = members
+
+    def add_collective(self, group: str, seq: int, sig: int, enter_ns: int, exit_ns: int, done: bool) -> None:
+        """Append one collective; a repeated ``seq`` joins the previous one (coalescing)."""
+        ops = self.trace.groups.get(group)
+        if ops is None:
+            ops = self.trace.groups[group] = GroupOps()
+        self.trace.entries += 1
+        if ops.seqs and seq <= ops.seqs[-1]:
+            i = ops.index(seq)
+            if i is None:  # out of order: rare; keep the lists sorted
+                self._insert(ops, seq, sig, enter_ns, exit_ns, done)
+                return
+            ops.sigs[i] = self.table.merge(ops.sigs[i], sig)
+            ops.done[i] = ops.done[i] and done
+            ops.exit_ns[i] = max(ops.exit_ns[i], exit_ns) if ops.done[i] else 0
+            return
+        ops.seqs.append(seq)
+        ops.sigs.append(sig)
+        ops.enter_ns.append(enter_ns)
+        ops.exit_ns.append(exit_ns)
+        ops.done.append(done)
+
+    @staticmethod
+    def _insert(ops: GroupOps, seq: int, sig: int, enter_ns: int, exit_ns: int, done: bool) -> None:
+        import bisect
+
+        i = bisect.bisect_left(ops.seqs, seq)
+        for lst, v in ((ops.seqs, seq), (ops.sigs, sig), (ops.enter_ns, enter_ns),
+                       (ops.exit_ns, exit_ns), (ops.done, done)):
+            lst.insert(i, v)
+
+    def add_p2p(self, group: str, kind: str, meta: str, seq: int, sig: int, enter_ns: int, done: bool) -> None:
+        """A send/recv; ``meta`` is the native ``"src->dst"`` / ``"dst<-src"`` in group ranks."""
+        self.trace.entries += 1
+        self._pending_p2p.append((group, kind, meta, seq, sig, enter_ns, done))
+
+    def add_p2p_global(self, group: str, kind: str, peer: int, seq: int, sig: int, enter_ns: int,
+                       done: bool) -> None:
+        """A send/recv whose partner is already a global rank (the store's form)."""
+        self.trace.entries += 1
+        self.trace.p2p.setdefault(group, []).append(P2POp(kind, peer, seq, sig, enter_ns, done))
+
+    def finish(self) -> RankTrace:
+        """The trace, with point-to-point peers mapped to global ranks."""
+        for group, kind, meta, seq, sig, enter_ns, done in self._pending_p2p:
+            peer = _p2p_peer(kind, meta)
+            members = self.trace.group_ranks.get(group)
+            if members and 0 <= peer < len(members):
+                peer = members[peer]
+            self.trace.p2p.setdefault(group, []).append(P2POp(kind, peer, seq, sig, enter_ns, done))
+        self._pending_p2p.clear()
+        return self.trace
+
+
+def _p2p_peer(kind: str, meta: str) -> int:
+    """The partner's group rank from ``"0->1"`` (send) or ``"1<-0"`` (recv); -1 if unknown."""
+    try:
+        if kind == "send":
+            return int(meta.split("->")[1])
+        return int(meta.split("<-")[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def as_sizes(value: Any) -> list[list[int]]:
+    """Sizes from a dump entry: a list of shapes (lists of ints)."""
+    return value if isinstance(value, list) else []
