@@ -179,32 +179,36 @@ def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable
     # cheap repr key avoids normalising sizes for every entry.
     local: dict[tuple, int] = {}
     descs = trace.group_desc
-    if entries:
-        trace.first_record = int(entries[0]["record_id"])
-    for i, e in enumerate(entries):
-        if not isinstance(e, dict):
-            raise DumpError(f"{trace.source}: entry {i} is {type(e).__name__}, not a dict")
-        pg = e["process_group"]
-        group = str(pg[0])
-        if group not in descs:
-            descs[group] = str(pg[1]) if len(pg) > 1 else ""
-        pn = e["profiling_name"]
-        ins, outs, ind, outd = e["input_sizes"], e["output_sizes"], e["input_dtypes"], e["output_dtypes"]
-        raw = (pn, repr(ins), repr(outs), repr(ind), repr(outd))
-        sig = local.get(raw)
-        if sig is None:
-            op, _meta = normalize_op(str(pn))
-            sig = local[raw] = table.intern(op, ins or (), outs or (), ind or (), outd or ())
-        done = bool(e.get("retired")) or e.get("state") == "completed"
-        enter = int(e.get("time_created_ns") or 0)
-        if e.get("is_p2p"):
-            op, meta = normalize_op(str(pn))
-            builder.add_p2p(group, op, meta, int(e.get("p2p_seq_id") or 0), sig, enter, done)
-            continue
-        seq = int(e["collective_seq_id"])
-        if seq <= 0:
-            continue
-        builder.add_collective(group, seq, sig, enter, int(e.get("time_discovered_completed_ns") or 0), done)
+    i = 0
+    try:
+        for i, e in enumerate(entries):
+            if not isinstance(e, dict):
+                raise DumpError(f"{trace.source}: entry {i} is {type(e).__name__}, not a dict")
+            if i == 0:
+                trace.first_record = int(e["record_id"])
+            pg = e["process_group"]
+            group = str(pg[0])
+            if group not in descs:
+                descs[group] = str(pg[1]) if len(pg) > 1 else ""
+            pn = e["profiling_name"]
+            ins, outs, ind, outd = e["input_sizes"], e["output_sizes"], e["input_dtypes"], e["output_dtypes"]
+            raw = (pn, repr(ins), repr(outs), repr(ind), repr(outd))
+            sig = local.get(raw)
+            if sig is None:
+                op, _meta = normalize_op(str(pn))
+                sig = local[raw] = table.intern(op, ins or (), outs or (), ind or (), outd or ())
+            done = bool(e.get("retired")) or e.get("state") == "completed"
+            enter = int(e.get("time_created_ns") or 0)
+            if e.get("is_p2p"):
+                op, meta = normalize_op(str(pn))
+                builder.add_p2p(group, op, meta, int(e.get("p2p_seq_id") or 0), sig, enter, done)
+                continue
+            seq = int(e["collective_seq_id"])
+            if seq <= 0:
+                continue
+            builder.add_collective(group, seq, sig, enter, int(e.get("time_discovered_completed_ns") or 0), done)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise DumpError(f"{trace.source}: malformed entry {i} ({type(exc).__name__}: {exc})") from None
     trace.entries = len(entries)
 
 

@@ -139,8 +139,6 @@ def diagnose(traces: TraceSet, config: DiagnosisConfig = DiagnosisConfig(),
     expected = set(present)
     for g in groups:
         expected.update(g.members)
-    if present and any(g.desc == "default_pg" and not g.declared for g in groups):
-        expected.update(range(max(present) + 1))  # the world is 0..N-1; gaps are missing files
     missing = sorted(expected - present)
     a = _Analysis(traces, config, now_ns, set(missing))
     for g in groups:
@@ -179,8 +177,30 @@ def group_infos(traces: TraceSet) -> list[GroupInfo]:
     out = []
     for name in sorted(set(declared) | set(used), key=_group_order):
         members = declared.get(name)
-        out.append(GroupInfo(name, desc.get(name, ""), tuple(sorted(members or used[name])), bool(members)))
+        inferred = set(used[name])
+        if not members and desc.get(name) == "default_pg":
+            # the world is 0..N-1: N is at least the highest rank seen, and an all_gather
+            # tells N exactly (its output is N inputs), so trailing missing files show too
+            inferred.update(range(max(max(inferred) + 1, _gather_factor(traces, name))))
+        out.append(GroupInfo(name, desc.get(name, ""), tuple(sorted(members or inferred)), bool(members)))
     return out
+
+
+def _gather_factor(traces: TraceSet, group: str) -> int:
+    """The group size an all_gather of ``group`` implies (0 if none was recorded)."""
+    sigs = traces.table.sigs
+    for t in traces.ranks.values():
+        ops = t.groups.get(group)
+        if not ops:
+            continue
+        for sid in set(ops.sigs[-200:]):
+            sig = sigs[sid]
+            if sig.op == "all_gather" and len(sig.input_sizes) == 1 and len(sig.output_sizes) == 1:
+                n_in, n_out = _numel(sig.input_sizes), _numel(sig.output_sizes)
+                if n_in and n_out % n_in == 0:
+                    return n_out // n_in
+        return 0
+    return 0
 
 
 def _group_order(name: str) -> tuple[int, int | str]:

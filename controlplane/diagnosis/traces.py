@@ -48,6 +48,10 @@ DTYPE_NAMES = {
 }
 
 
+def _dtype(name: object) -> str:
+    return DTYPE_NAMES.get(name, name) if isinstance(name, str) else str(name)
+
+
 def normalize_op(name: str) -> tuple[str, str]:
     """``"nccl:send 0->1"`` -> ``("send", "0->1")``; ``"gloo:allreduce"`` -> ``("all_reduce", "")``."""
     name = name.split(":", 1)[-1]
@@ -84,8 +88,7 @@ class SignatureTable:
         """The id of this signature (new or existing)."""
         key = (op, tuple(tuple(int(d) for d in s) for s in input_sizes),
                tuple(tuple(int(d) for d in s) for s in output_sizes),
-               tuple(DTYPE_NAMES.get(d, d) for d in input_dtypes),
-               tuple(DTYPE_NAMES.get(d, d) for d in output_dtypes))
+               tuple(_dtype(d) for d in input_dtypes), tuple(_dtype(d) for d in output_dtypes))
         return self.intern_key(key)
 
     def intern_key(self, key: tuple) -> int:
