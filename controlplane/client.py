@@ -65,11 +65,12 @@ class ControlClient:
         return self._call(self._stub.GetJob, control_pb2.GetJobRequest(job_id=job_id))
 
     def inject_fault(
-        self, job_id: str, kind: str, *, rank: int = -1, node: str = "", at_step: int = 0
+        self, job_id: str, kind: str, *, rank: int = -1, node: str = "", at_step: int = 0,
+        duration_s: float = 0.0,
     ) -> control_pb2.InjectFaultReply:
         req = control_pb2.InjectFaultRequest(
             job_id=job_id, rank=rank, node=node,
-            fault=events_pb2.FaultSpec(kind=kind, at_step=at_step),
+            fault=events_pb2.FaultSpec(kind=kind, at_step=at_step, duration_s=duration_s),
         )
         return self._call(self._stub.InjectFault, req)
 

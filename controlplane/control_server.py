@@ -19,8 +19,8 @@ from fleet_proto import control_pb2, control_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
 
-#: Fault kinds the controller accepts today (later issues add hang, slow, nan, ...).
-FAULT_KINDS = frozenset({"crash"})
+#: Fault kinds the controller accepts today (later issues add slow, nan, node-down, ...).
+FAULT_KINDS = frozenset({"crash", "hang"})
 
 
 class JobControl(Protocol):

@@ -25,10 +25,11 @@ from controlplane import auth
 from controlplane.agent_server import AgentRegistry, AgentServicer
 from controlplane.config import ClusterConfig
 from controlplane.control_server import ControlServicer
-from controlplane.detectors import Incident, attribute_failures, decide_restart
+from controlplane.detectors import Incident, attribute_failures, attribute_with_trace, decide_restart
 from controlplane.errors import FleetError, NotFoundError, StateError, UnavailableError
 from controlplane.grpc_server import ControllerServer
 from controlplane.lifecycle import AttemptState, JobState
+from controlplane.replay import diagnose_attempt
 from controlplane.store import Store
 from fleet_proto import control_pb2, events_pb2
 
@@ -275,12 +276,13 @@ class Controller:
                 return self._finish(JobState.STOPPED, self._stop_reason)
 
             incident: Incident = outcome
+            group.kill()
+            agents.flush(timeout_s=5)
+            incident = self._attribute_by_trace(incident, attempt)
             self.store.record_incident(
                 self.job_id, attempt, incident.kind, incident.detector, incident.evidence,
                 rank=incident.rank, node=incident.node,
             )
-            group.kill()
-            agents.flush(timeout_s=5)
             self.store.set_attempt_final_step(self.job_id, attempt, self.store.last_step(self.job_id, attempt))
             self.store.set_attempt_state(self.job_id, attempt, AttemptState.FAILED, incident.evidence)
             decision = decide_restart(self._restarts, cfg.job.max_restarts, incident)
@@ -292,6 +294,24 @@ class Controller:
             self._progress(decision.reason)
             if self._stop.wait(cfg.job.restart_backoff_s):
                 return self._finish(JobState.STOPPED, self._stop_reason)
+
+    def _attribute_by_trace(self, incident: Incident, attempt: int) -> Incident:
+        """Let the attempt's collective traces name the culprit when no process died."""
+        if incident.kind != "error":
+            return incident
+        try:
+            _, diagnosis = diagnose_attempt(self.store, self.job_id, attempt)
+        except Exception:  # noqa: BLE001 - attribution must not take the controller down
+            log.exception("desync diagnosis of attempt %d failed", attempt)
+            return incident
+        with self._lock:
+            nodes = list(self._placement)
+        refined = attribute_with_trace(incident, diagnosis.verdict, diagnosis.culprit_ranks,
+                                       diagnosis.summary, nodes)
+        if refined is not incident:
+            log.warning("attempt %d: the flight recorder blames rank %d: %s", attempt, refined.rank,
+                        diagnosis.summary)
+        return refined
 
     def _watch(self, group, attempt: int) -> Incident | str | None:  # noqa: ANN001
         """Block until the attempt ends: None = success, "stop", or the Incident."""

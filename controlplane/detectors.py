@@ -24,7 +24,7 @@ class ObservedFailure(Protocol):
 class Incident:
     """A detected failure, blamed on one rank and node, with evidence."""
 
-    kind: str          # "crash" | "error"
+    kind: str          # "crash" | "error" | "hang" | "desync"
     detector: str
     rank: int
     node: str
@@ -50,6 +50,23 @@ def attribute_failures(failures: Sequence[ObservedFailure]) -> Incident | None:
         return Incident("crash", "crash", culprit.rank, culprit.node, evidence)
     first = min(failures, key=lambda f: f.rank)
     return Incident("error", "crash", first.rank, first.node, f"rank {first.rank} raised: {first.error}")
+
+
+def attribute_with_trace(incident: Incident, verdict: str, culprit_ranks: Sequence[int], summary: str,
+                         nodes: Sequence[str]) -> Incident:
+    """Blame the rank the flight recorder names when no process died.
+
+    Ranks that merely raised (a process-group timeout, a closed connection) are usually
+    the victims of a rank that hung or called the wrong collective; the desync verdict
+    (controlplane/diagnosis) names that rank. A process death stays the cause.
+    """
+    if incident.kind != "error" or verdict not in ("hang", "mismatch") or not culprit_ranks:
+        return incident
+    rank = culprit_ranks[0]
+    node = nodes[rank] if 0 <= rank < len(nodes) else incident.node
+    kind = "hang" if verdict == "hang" else "desync"
+    return Incident(kind, "flight-recorder", rank, node,
+                    f"{summary} Then: {incident.evidence}")
 
 
 @dataclass(frozen=True)

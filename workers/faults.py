@@ -3,10 +3,14 @@
 ``FaultHooks.on_command`` runs on the reporter thread whenever the agent relays a
 ``Command``; ``before_step`` runs on the training thread at the top of every step.
 
-Fault kinds understood here:
+Fault kinds understood here, each fired immediately (``at_step <= 0``) or at the
+start of the first step ``>= at_step``:
   * ``crash``: the process exits at once with ``FAULT_EXIT_CODE`` (no cleanup, like a
-    segfault or a lost node would), either immediately (``at_step <= 0``) or at the
-    start of the first step ``>= at_step``.
+    segfault or a lost node would).
+  * ``hang``: the training thread stops before its next collective for ``duration_s``
+    seconds (0 = until the process is killed), like a rank whose GPU kernel or data
+    loader hung: its peers block inside that collective waiting for it. The reporter
+    thread keeps running, so the flight recorder shows exactly that.
 Unknown kinds are logged and ignored: the controller validates kinds before sending.
 A ``stop`` command only sets ``stop_requested``; the training loop decides, together
 with the other ranks, where to stop.
@@ -18,6 +22,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 from fleet_proto import events_pb2
 
@@ -36,6 +41,9 @@ class FaultHooks:
         self.stop_requested = False
         self._lock = threading.Lock()  # on_command (reporter thread) vs before_step (main)
         self._crash_at_step: int | None = None
+        self._hang_at_step: int | None = None
+        self._hang_s = 0.0
+        self._hang_now = threading.Event()  # set by an immediate hang order
 
     @property
     def armed_crash_step(self) -> int | None:
@@ -55,6 +63,13 @@ class FaultHooks:
             log.warning("rank %d: ignoring command %s with no known kind", self.rank, cmd.command_id)
             return
         fault = cmd.fault
+        if fault.kind == "hang":
+            with self._lock:
+                self._hang_at_step = max(fault.at_step, 0)
+                self._hang_s = max(fault.duration_s, 0.0)
+            log.info("rank %d: hang armed for step %d, %s (command %s)", self.rank, fault.at_step,
+                     f"{fault.duration_s:g} s" if fault.duration_s > 0 else "until killed", cmd.command_id)
+            return
         if fault.kind != "crash":
             log.warning("rank %d: ignoring unknown fault kind %r (command %s)",
                         self.rank, fault.kind, cmd.command_id)
@@ -72,6 +87,27 @@ class FaultHooks:
         at = self._crash_at_step
         if at is not None and step >= at:
             self._crash(f"armed for step {at}, now at step {step}")
+        with self._lock:
+            hang_at, hang_s = self._hang_at_step, self._hang_s
+            if hang_at is not None and step >= hang_at:
+                self._hang_at_step = None
+        if hang_at is not None and step >= hang_at:
+            self._hang(step, hang_s)
+
+    def _hang(self, step: int, duration_s: float) -> None:
+        print(f"fleet: rank {self.rank} injected hang at step {step} "
+              f"({f'{duration_s:g} s' if duration_s > 0 else 'until killed'})", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + duration_s if duration_s > 0 else None
+        # Event.wait in bounded slices: the thread stays interruptible and never spins
+        while deadline is None or time.monotonic() < deadline:
+            remaining = 60.0 if deadline is None else min(60.0, deadline - time.monotonic())
+            if remaining <= 0 or self._hang_now.wait(remaining):
+                break
+        log.info("rank %d: hang at step %d over", self.rank, step)
+
+    def release(self) -> None:
+        """End an ongoing injected hang (tests, and a clean shutdown)."""
+        self._hang_now.set()
 
     def _crash(self, why: str) -> None:
         # Straight to stderr, flushed: logging handlers may buffer, and nothing runs after this.

@@ -15,10 +15,14 @@ from controlplane.errors import ConfigError
 
 def inject_fault(
     job: Annotated[str, typer.Option("--job", "-j", help="Job id (see `fleet jobs`).")],
-    kind: Annotated[str, typer.Option("--kind", "-k", help="Fault kind: crash.")],
+    kind: Annotated[str, typer.Option("--kind", "-k", help="Fault kind: crash (the process exits), "
+                                      "hang (the rank stops before its next collective).")],
     rank: Annotated[int | None, typer.Option("--rank", "-r", help="Target rank.")] = None,
     node: Annotated[str | None, typer.Option("--node", "-n", help="Target node (every rank on it).")] = None,
     at_step: Annotated[int, typer.Option("--at-step", help="Fire when the rank reaches this step (0 = now).")] = 0,
+    duration: Annotated[
+        float, typer.Option("--duration", help="hang: seconds to stay stuck (0 = until killed).")
+    ] = 0.0,
     controller: Annotated[str | None, typer.Option("--controller", help="Controller host:port.")] = None,
     state_dir: StateDirOpt = Path(".fleet"),
     json_out: JsonOpt = False,
@@ -30,8 +34,11 @@ def inject_fault(
         raise ConfigError("--rank must be >= 0")
     if at_step < 0:
         raise ConfigError("--at-step must be >= 0")
+    if duration < 0:
+        raise ConfigError("--duration must be >= 0")
     with ControlClient.from_state_dir(state_dir, controller) as client:
-        reply = client.inject_fault(job, kind, rank=-1 if rank is None else rank, node=node or "", at_step=at_step)
+        reply = client.inject_fault(job, kind, rank=-1 if rank is None else rank, node=node or "",
+                                    at_step=at_step, duration_s=duration)
     if json_out:
         print_json({"command_id": reply.command_id, "attempt": reply.attempt,
                     "ranks": list(reply.ranks), "node": reply.node})

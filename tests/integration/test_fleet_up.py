@@ -23,10 +23,10 @@ FLEET = [sys.executable, "-m", "controlplane.cli.main"]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_cluster(tmp: Path, *, steps: int, checkpoint_interval: int) -> Path:
+def write_cluster(tmp: Path, *, steps: int, checkpoint_interval: int, **job: object) -> Path:
     """A small copy of examples/local.yaml, with every path inside tmp."""
     cfg = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
-    cfg["job"].update(steps=steps, checkpoint_interval=checkpoint_interval)
+    cfg["job"].update(steps=steps, checkpoint_interval=checkpoint_interval, **job)
     cfg["ray"]["cpus_per_node"] = 3
     path = tmp / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -234,6 +234,63 @@ def test_injected_crash_restarts_from_the_newest_checkpoint(tmp_path: Path) -> N
         for rank in range(4):
             seqs = [c.seq for c in store.collectives(job_id, attempt=2, rank=rank, group="0")]
             assert seqs == list(range(1, len(seqs) + 1))
+
+
+def test_injected_hang_is_blamed_by_the_flight_recorder(tmp_path: Path) -> None:
+    """Rank 1 stops before a collective; its peers wait in it until the process-group
+    timeout. No process died, so the desync verdict over the stored traces names the
+    culprit; the attempt restarts from the newest checkpoint and the job completes."""
+    steps, interval, hang_step = 40, 10, 25
+    cluster = write_cluster(tmp_path, steps=steps, checkpoint_interval=interval, pg_timeout_s=8, max_restarts=1)
+    cfg = yaml.safe_load(cluster.read_text())
+    cfg["controller"]["heartbeat_timeout_s"] = 4.0
+    cluster.write_text(yaml.safe_dump(cfg))
+    run = FleetUp(tmp_path, cluster)
+    run.wait_until(lambda: controller_job(tmp_path), 120, "the controller to start")
+    job_id = controller_job(tmp_path)
+
+    def inject() -> bool:
+        out = subprocess.run(
+            [*FLEET, "inject-fault", "--job", job_id, "--kind", "hang", "--rank", "1",
+             "--at-step", str(hang_step), "--json"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        )
+        if out.returncode == 0:
+            return True
+        assert "no running worker group yet" in out.stderr, out.stderr
+        return False
+
+    run.wait_until(inject, 180, "the fault to be accepted")
+    summary = run.finish()
+    run.assert_tree_gone()
+    assert summary["state"] == "SUCCEEDED" and summary["final_step"] == steps
+    with store_of(tmp_path) as store:
+        incidents = store.incidents(job_id)
+        assert [(i.kind, i.detector, i.rank, i.node, i.attempt) for i in incidents] == [
+            ("hang", "flight-recorder", 1, "node-0", 1)], incidents
+        assert "culprit rank 1" in incidents[0].evidence
+        first, second = store.get_attempts(job_id)
+        assert first.final_step == hang_step - 1 and second.restored_step == 20
+        declared = {g.group: g.ranks for g in store.process_groups(job_id, 1)}
+
+    out = subprocess.run([*FLEET, "replay", job_id, "--attempt", "1", "--json", "--perfetto", "trace.json"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    replay = json.loads(out.stdout)
+    assert (replay["source"], replay["attempt"]) == (f"store:{job_id}", 1)
+    assert replay["verdict"] == "hang" and replay["culprit_ranks"] == [1], replay["findings"]
+    missing = [f for f in replay["findings"] if f["kind"] == "missing"]
+    assert missing and all(f["ranks"] == [1] and set(f["waiting_ranks"]) <= {0, 2, 3} for f in missing)
+    waves = {(w["rank"], w["group"]): w for w in replay["wavefront"]}
+    assert any(w["waiting"] for (r, _), w in waves.items() if r != 1)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, 2, 3}
+    # the second attempt was healthy
+    out = subprocess.run([*FLEET, "replay", job_id, "--attempt", "2", "--json"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout)["verdict"] in ("ok", "straggler"), out.stdout[-2000:]
+    # the workers declared their process groups, with members
+    assert declared.get("0") == (0, 1, 2, 3), declared
 
 
 def test_ctrl_c_stops_the_job_and_tears_everything_down(tmp_path: Path) -> None:

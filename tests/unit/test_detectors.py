@@ -109,3 +109,19 @@ def test_zero_budget_never_restarts() -> None:
 
 def test_over_budget_still_gives_up() -> None:
     assert decide_restart(5, 3, _incident()).restart is False
+
+
+def test_trace_verdict_names_the_culprit_when_nobody_died() -> None:
+    from controlplane.detectors import attribute_with_trace
+
+    raised = Incident("error", "crash", 0, "node-0", "rank 0 raised: timed out")
+    nodes = ["node-0", "node-0", "node-1", "node-1"]
+    hang = attribute_with_trace(raised, "hang", [3], "hang: culprit rank 3.", nodes)
+    assert (hang.kind, hang.detector, hang.rank, hang.node) == ("hang", "flight-recorder", 3, "node-1")
+    assert "culprit rank 3" in hang.evidence and "timed out" in hang.evidence
+    desync = attribute_with_trace(raised, "mismatch", [1], "mismatch", nodes)
+    assert (desync.kind, desync.rank) == ("desync", 1)
+    # an ok verdict, or a process death, keeps the original attribution
+    assert attribute_with_trace(raised, "ok", [], "ok", nodes) is raised
+    died = Incident("crash", "crash", 2, "node-1", "rank 2 died")
+    assert attribute_with_trace(died, "hang", [0], "hang", nodes) is died

@@ -64,3 +64,37 @@ def test_stop_and_unknown_kinds():
     assert hooks.armed_crash_step is None and not hooks.stop_requested
     hooks.on_command(events_pb2.Command(command_id="s", stop=True))
     assert hooks.stop_requested
+
+
+def _hang(at_step: int, duration_s: float) -> events_pb2.Command:
+    return events_pb2.Command(command_id="h", rank=0,
+                              fault=events_pb2.FaultSpec(kind="hang", at_step=at_step, duration_s=duration_s))
+
+
+def test_hang_blocks_the_step_for_its_duration_then_returns():
+    import time
+
+    hooks = FaultHooks(0)
+    hooks.on_command(_hang(3, 0.3))
+    t0 = time.monotonic()
+    hooks.before_step(2)
+    assert time.monotonic() - t0 < 0.2  # not armed for step 2
+    hooks.before_step(3)
+    assert time.monotonic() - t0 >= 0.3
+    t1 = time.monotonic()
+    hooks.before_step(4)  # fires once
+    assert time.monotonic() - t1 < 0.2
+
+
+def test_endless_hang_ends_on_release():
+    import threading
+
+    hooks = FaultHooks(0)
+    hooks.on_command(_hang(0, 0))
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (hooks.before_step(1), done.set()), name="fleet-test-hang")
+    t.start()
+    assert not done.wait(0.3)  # still hanging
+    hooks.release()
+    assert done.wait(10)
+    t.join(10)
