@@ -20,11 +20,14 @@ What is read, and how:
 
 from __future__ import annotations
 
+import contextlib
+from array import array
+import gc
 import json
 import os
 import pickle
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -215,14 +218,18 @@ def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable
 def _read_chunk(items: list[tuple[int, str]]) -> tuple[list[RankTrace], list]:
     """Pool task: convert some files with a private signature table (keys sent back)."""
     table = SignatureTable()
-    traces = [rank_trace(rank, Path(path), table) for rank, path in items]
+    with no_gc():
+        traces = [rank_trace(rank, Path(path), table) for rank, path in items]
+        for t in traces:
+            for ops in t.groups.values():
+                ops.compact()
     keys = [(s.op, s.input_sizes, s.output_sizes, s.input_dtypes, s.output_dtypes) for s in table.sigs]
     return traces, keys
 
 
 def _remap(trace: RankTrace, mapping: list[int]) -> None:
     for ops in trace.groups.values():
-        ops.sigs = [mapping[s] for s in ops.sigs]
+        ops.sigs = array("q", map(mapping.__getitem__, ops.sigs))  # type: ignore[assignment]
     for p2p in trace.p2p.values():
         for op in p2p:
             op.sig = mapping[op.sig]
@@ -234,7 +241,24 @@ def load_traces(folder: str | os.PathLike, prefix: str | None = None, *, workers
 
     ``workers``: reader processes (default: the CPUs, when there are enough files);
     ``progress(done, total)`` is called as files finish."""
-    folder = Path(folder)
+    with no_gc():
+        return _load(Path(folder), prefix, workers, progress)
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Cyclic GC off while dumps load: they allocate millions of objects that are never
+    cyclic, and each full collection would walk every trace kept so far (quadratic)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _load(folder: Path, prefix: str | None, workers: int | None, progress: Progress | None) -> TraceSet:
     files = discover(folder, prefix)
     table = SignatureTable()
     ranks: dict[int, RankTrace] = {}

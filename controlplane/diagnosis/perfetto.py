@@ -63,7 +63,7 @@ def perfetto_trace(traces: TraceSet, diagnosis: Diagnosis | None = None, *,
                     "args": {"group": gname, "seq": seq, "input_sizes": [list(s) for s in sig.input_sizes],
                              "output_sizes": [list(s) for s in sig.output_sizes],
                              "dtypes": sorted(set(sig.input_dtypes) | set(sig.output_dtypes)),
-                             "done": ops.done[i]},
+                             "done": bool(ops.done[i])},
                 })
                 meet[(gname, seq)].append((rank, ts))
     flow_id = 0

@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -138,6 +139,13 @@ class GroupOps:
             else:
                 hi = mid
         return lo if lo < len(seqs) and seqs[lo] == seq else None
+
+    def compact(self) -> None:
+        """Switch the lists to typed arrays: a tenth of the memory, and a process pool
+        ships them back as raw bytes instead of a million int objects."""
+        self.seqs, self.sigs = array("q", self.seqs), array("q", self.sigs)  # type: ignore[assignment]
+        self.enter_ns, self.exit_ns = array("q", self.enter_ns), array("q", self.exit_ns)  # type: ignore[assignment]
+        self.done = array("b", self.done)  # type: ignore[assignment]
 
     @property
     def consecutive(self) -> bool:
