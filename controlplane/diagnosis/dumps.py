@@ -13,7 +13,8 @@ What is read, and how:
     as missing, and the analysis goes on with the others.
   * Group membership comes from ``pg_config`` when the backend fills it (NCCL). torch
     2.13's gloo leaves it empty, so membership is then inferred from the groups each
-    rank's entries and ``pg_status`` mention.
+    rank's entries mention. (``pg_status`` is no help: gloo keys it by the rank-local
+    ``pg_id``, not the group name, so ranks 2 and 3's key "1" may be group "2".)
   * Files are converted as they are read (one dump alive at a time per process); with
     many files a pool of processes shares the reading, each sending back compact traces.
 """
@@ -165,8 +166,6 @@ def rank_trace(rank: int, path: Path, table: SignatureTable) -> RankTrace:
         for name, cfg in (doc.get("pg_config") or {}).items():
             if name and isinstance(cfg, dict):
                 builder.declare_group(str(name), str(cfg.get("desc", "")), _parse_ranks(cfg.get("ranks")))
-        where = "pg_status"
-        builder.trace.status_groups.update(str(k) for k in (doc.get("pg_status") or {}) if k != "")
         where = "entries"
         _convert_entries(builder, doc.get("entries") or [], table)
     except DumpError:

@@ -167,7 +167,7 @@ def group_infos(traces: TraceSet) -> list[GroupInfo]:
     for rank, t in traces.ranks.items():
         for name, members in t.group_ranks.items():
             declared[name].update(members)
-        for name in (*t.groups, *t.p2p, *t.status_groups):
+        for name in (*t.groups, *t.p2p):
             used[name].add(rank)
         for name, d in t.group_desc.items():
             if d and d != "undefined":

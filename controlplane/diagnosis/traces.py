@@ -172,7 +172,6 @@ class RankTrace:
     p2p: dict[str, list[P2POp]] = field(default_factory=dict)
     group_desc: dict[str, str] = field(default_factory=dict)
     group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # declared members
-    status_groups: set[str] = field(default_factory=set)   # groups named in pg_status
     entries: int = 0
     first_record: int = 0                                   # ring position of the first entry
 
