@@ -291,8 +291,6 @@ class _Analysis:
                 "missing", g.name, seq, culprits,
                 f"{_ranks(culprits)} never entered collective {seq} ({op}) of group {g.label()}; "
                 f"{_ranks(waiting)} entered it and wait. {their}", waiting))
-            for w in waiting:
-                self.waits[w].update(culprits)
 
     def _check_absent(self, g: GroupInfo, ops_by_rank: dict[int, GroupOps], seq: int,
                       front: list[int], absent: list[int]) -> None:
@@ -309,8 +307,6 @@ class _Analysis:
             "no_trace", g.name, seq, no_trace,
             f"{_ranks(no_trace)} left no trace; every other member of group {g.label()} waits in "
             f"collective {seq} ({op})", front))
-        for w in front:
-            self.waits[w].update(no_trace)
 
     def _describe_at(self, ops_by_rank: dict[int, GroupOps], rank: int, seq: int) -> str:
         ops = ops_by_rank.get(rank)
@@ -489,7 +485,6 @@ class _Analysis:
                 "p2p_unmatched", group, pending[0].seq, [culprit],
                 f"rank {waiter} waits in {kind} #{pending[0].seq} with rank {culprit}, which {partner}",
                 [waiter]))
-            self.waits[waiter].add(culprit)
 
     # -- verdict -----------------------------------------------------------------------
 
@@ -524,7 +519,10 @@ class _Analysis:
         return False
 
     def _add(self, finding: Finding) -> None:
+        """Keep a finding; its waiting ranks wait on the ranks it blames."""
         self.findings.append(finding)
+        for w in finding.waiting:
+            self.waits[w].update(finding.ranks)
 
 
 def _incompatibility(a: Signature, b: Signature) -> str | None:

@@ -123,6 +123,26 @@ def controller_job(tmp: Path) -> str | None:
         return None
 
 
+def inject_fault(run: FleetUp, job_id: str, kind: str, *, rank: int, at_step: int) -> dict:
+    """`fleet inject-fault`, retried until the controller has a worker group to hit."""
+    reply: dict = {}
+
+    def accepted() -> bool:
+        out = subprocess.run(
+            [*FLEET, "inject-fault", "--job", job_id, "--kind", kind, "--rank", str(rank),
+             "--at-step", str(at_step), "--json"],
+            cwd=run.tmp, capture_output=True, text=True, timeout=60,
+        )
+        if out.returncode == 0:
+            reply.update(json.loads(out.stdout))
+            return True
+        assert "no running worker group yet" in out.stderr, out.stderr
+        return False
+
+    run.wait_until(accepted, 180, f"the {kind} fault to be accepted")
+    return reply
+
+
 def test_fleet_up_runs_a_job_to_success(tmp_path: Path) -> None:
     steps, interval = 30, 10
     run = FleetUp(tmp_path, write_cluster(tmp_path, steps=steps, checkpoint_interval=interval))
@@ -196,20 +216,8 @@ def test_injected_crash_restarts_from_the_newest_checkpoint(tmp_path: Path) -> N
     run.wait_until(lambda: controller_job(tmp_path), 120, "the controller to start")
     job_id = controller_job(tmp_path)
 
-    def inject() -> bool:
-        out = subprocess.run(
-            [*FLEET, "inject-fault", "--job", job_id, "--kind", "crash", "--rank", "2",
-             "--at-step", str(crash_step), "--json"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=60,
-        )
-        if out.returncode == 0:
-            inject.reply = json.loads(out.stdout)
-            return True
-        assert "no running worker group yet" in out.stderr, out.stderr
-        return False
-
-    run.wait_until(inject, 180, "the fault to be accepted")
-    assert inject.reply["ranks"] == [2] and inject.reply["node"] == "node-1"
+    reply = inject_fault(run, job_id, "crash", rank=2, at_step=crash_step)
+    assert reply["ranks"] == [2] and reply["node"] == "node-1"
     summary = run.finish()
     run.assert_tree_gone()
 
@@ -249,18 +257,7 @@ def test_injected_hang_is_blamed_by_the_flight_recorder(tmp_path: Path) -> None:
     run.wait_until(lambda: controller_job(tmp_path), 120, "the controller to start")
     job_id = controller_job(tmp_path)
 
-    def inject() -> bool:
-        out = subprocess.run(
-            [*FLEET, "inject-fault", "--job", job_id, "--kind", "hang", "--rank", "1",
-             "--at-step", str(hang_step), "--json"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=60,
-        )
-        if out.returncode == 0:
-            return True
-        assert "no running worker group yet" in out.stderr, out.stderr
-        return False
-
-    run.wait_until(inject, 180, "the fault to be accepted")
+    inject_fault(run, job_id, "hang", rank=1, at_step=hang_step)
     summary = run.finish()
     run.assert_tree_gone()
     assert summary["state"] == "SUCCEEDED" and summary["final_step"] == steps
