@@ -4,7 +4,15 @@
 insecure gRPC channel to ``spec.agent_address``. Every ``spec.report_interval_s`` the
 thread takes everything buffered by ``emit`` and sends it in one
 ``NodeAgent.Report(WorkerReport)`` call, then passes each returned ``Command`` to
-``on_command``. It polls even with nothing to send, so commands still arrive.
+``on_command``. It calls even with nothing to send, so commands still arrive. Status
+and checkpoint events are sent at once instead of waiting for the next report.
+Between reports the thread runs the event sources (``add_source``) on their own,
+possibly shorter, intervals. Reports and source polls fall on multiples of their
+interval on the wall clock (see ``_next_tick``).
+
+Cost: a Report call costs the worker ~0.5 ms of CPU and its agent ~0.7 ms (measured
+on the 2-core development machine), against ~1 us per event, so the report interval,
+not the event count, sets the cost of shipping.
 
 Invariants:
   * ``emit`` never blocks on the network; it is safe from any thread.
@@ -39,6 +47,9 @@ CommandHandler = Callable[[events_pb2.Command], None]
 #: Events per Report call; keeps each message far below gRPC's 4 MiB default limit.
 MAX_EVENTS_PER_REPORT = 5_000
 
+#: Event kinds reported at once: the controller's view of the job's state hangs on them.
+_URGENT = frozenset({"status", "checkpoint"})
+
 
 class Reporter:
     """Buffered, background event shipping for one rank (a context manager)."""
@@ -53,7 +64,9 @@ class Reporter:
         self.dropped = 0         # events discarded (buffer full, or discard mode)
         self.send_failures = 0   # Report calls that failed
         self.commands_received = 0
+        self.cpu_s = 0.0         # CPU seconds the reporter thread used (set when it ends)
         self._buffer: deque[events_pb2.Event] = deque()
+        self._inflight = 0  # events taken from the buffer by the call in progress
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -81,7 +94,7 @@ class Reporter:
     def pending(self) -> int:
         """Events buffered and not yet acknowledged by the agent."""
         with self._lock:
-            return len(self._buffer)
+            return len(self._buffer) + self._inflight
 
     def emit(self, event: events_pb2.Event) -> None:
         """Queue ``event`` for the next report. Thread-safe; never blocks on I/O."""
@@ -93,11 +106,14 @@ class Reporter:
                 self._buffer.popleft()
                 self.dropped += 1
             self._buffer.append(event)
+        if event.WhichOneof("kind") in _URGENT:
+            self._wake.set()
 
-    def add_source(self, poll: Callable[[], object], interval_s: float) -> None:
-        """Call ``poll`` on the reporter thread every ``interval_s`` seconds (and once
-        more at close); it emits events itself. Used for the native flight recorder,
-        whose ring must be read while the training thread is stuck in a collective."""
+    def add_source(self, poll: Callable[..., object], interval_s: float) -> None:
+        """Call ``poll()`` on the reporter thread every ``interval_s`` seconds, and
+        ``poll(force=True)`` once more at close; it emits events itself. Used for the
+        native flight recorder, whose ring must be read while the training thread is
+        stuck in a collective."""
         self._sources.append([poll, interval_s, 0.0])
 
     def _poll_sources(self, force: bool = False) -> None:
@@ -106,9 +122,12 @@ class Reporter:
             poll, interval_s, due = src
             if not force and now < due:
                 continue
-            src[2] = now + interval_s
+            src[2] = _next_tick(interval_s)
             try:
-                poll()
+                if force:
+                    poll(force=True)
+                else:
+                    poll()
                 self._source_failing.discard(i)
             except Exception as exc:  # noqa: BLE001 - a source must not stop the reports
                 if i not in self._source_failing:
@@ -149,13 +168,19 @@ class Reporter:
 
     def _loop(self) -> None:
         failing = False
+        next_report = _next_tick(self.spec.report_interval_s)
         try:
             while not self._stop.is_set():
-                self._wake.wait(self.spec.report_interval_s)
+                due = min([next_report, *(src[2] for src in self._sources)])
+                woken = self._wake.wait(max(0.0, due - time.monotonic()))
                 self._wake.clear()
                 if self._stop.is_set():
                     break
                 self._poll_sources()
+                now = time.monotonic()
+                if not woken and now < next_report:
+                    continue
+                next_report = _next_tick(self.spec.report_interval_s)
                 try:
                     self._send_all()
                     if failing:
@@ -168,6 +193,7 @@ class Reporter:
                                     self.spec.agent_address, _describe(exc), self.spec.report_interval_s)
                     failing = True
             self._final_flush()
+            self.cpu_s = time.thread_time()
         except BaseException:
             log.exception("reporter thread crashed")
             raise
@@ -194,11 +220,15 @@ class Reporter:
             with self._lock:
                 n = min(len(self._buffer), MAX_EVENTS_PER_REPORT)
                 batch = [self._buffer.popleft() for _ in range(n)]
+                self._inflight = n
             try:
                 self._send(batch, timeout_s or self.call_timeout_s)
             except BaseException:
                 self._requeue(batch)
                 raise
+            finally:
+                with self._lock:
+                    self._inflight = 0
             if n < MAX_EVENTS_PER_REPORT:
                 return
 
@@ -221,15 +251,23 @@ class Reporter:
                 log.exception("command handler failed for command %s", cmd.command_id)
 
     def _requeue(self, batch: list[events_pb2.Event]) -> None:
-        self.send_failures += 1
-        if not batch:
-            return
         with self._lock:
             self._buffer.extendleft(reversed(batch))
+            self._inflight = 0
             # Keep the newest events: they say where each rank is now.
             while len(self._buffer) > self.max_buffered:
                 self._buffer.popleft()
                 self.dropped += 1
+        self.send_failures += 1
+
+
+def _next_tick(interval_s: float) -> float:
+    """Monotonic time of the next multiple of ``interval_s`` on the wall clock.
+
+    Every rank on a host (and on NTP-synced hosts) then reads its ring and reports at
+    the same moments: in a synchronous job the short pauses this causes overlap instead
+    of adding up, since a rank paused alone holds up all the others."""
+    return time.monotonic() + interval_s - time.time() % interval_s
 
 
 def _describe(exc: Exception) -> str:

@@ -144,8 +144,8 @@ class WorkerSpec:
     model: ModelArgs = field(default_factory=ModelArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
     pg_timeout_s: float = 60.0
-    report_interval_s: float = 0.1
+    report_interval_s: float = 0.5
     env: dict[str, str] = field(default_factory=dict)  # set before the process group starts
     external_store: bool = False  # a launcher (torchrun's agent) already serves the TCPStore
-    fr_buffer_entries: int = 1000  # native flight-recorder ring size (TORCH_FR_BUFFER_SIZE); 0 = off
+    fr_buffer_entries: int = 256  # native flight-recorder ring size (TORCH_FR_BUFFER_SIZE); 0 = off
     fr_poll_interval_s: float = 0.5  # how often the reporter ships new ring entries

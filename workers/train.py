@@ -93,20 +93,22 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None) -> dict:
     for the rendezvous store; without it rank 0 binds one itself.
     """
     os.environ.update(spec.env)
-    if spec.fr_buffer_entries:
-        # read by the process group at creation: must be set before init_process_group
-        os.environ["TORCH_FR_BUFFER_SIZE"] = str(spec.fr_buffer_entries)
+    # read by the process group at creation: must be set before init_process_group (0 turns
+    # the recorder off; unset, torch records 2000 entries anyway)
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(spec.fr_buffer_entries)
     torch.set_num_threads(1)  # ranks share the host's cores; more threads only contend
     hooks = FaultHooks(spec.rank)
     reporter = Reporter(spec, hooks.on_command)
     emit = _Emitter(spec, reporter)
     tail = None
     if spec.fr_buffer_entries and native_fr.available():
-        tail = NativeFlightTail(spec.job_id, spec.attempt, spec.rank, reporter.emit)
-        reporter.add_source(tail.poll, spec.fr_poll_interval_s)
+        tail = NativeFlightTail(spec.job_id, spec.attempt, spec.rank, reporter.emit,
+                                ring_entries=spec.fr_buffer_entries, poll_interval_s=spec.fr_poll_interval_s)
+        reporter.add_source(tail.poll, tail.probe_interval_s)
+    result: dict = {}
     try:
         emit.status(Status.STARTING)
-        result = _train(spec, hooks, reporter, emit, listen_socket, tail)
+        result.update(_train(spec, hooks, reporter, emit, listen_socket, tail))
         emit.status(Status.FINISHED, detail="stopped by command" if result["stopped"] else "")
         return result
     except BaseException as exc:
@@ -115,7 +117,7 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None) -> dict:
     finally:
         if dist.is_initialized():
             if tail is not None:
-                tail.poll()  # the ring dies with the process group: ship its last entries
+                tail.poll(force=True)  # the ring dies with the process group: ship its last entries
             # FSDP's reference cycles can keep the group alive into interpreter shutdown,
             # which then aborts ("terminate called without an active exception")
             gc.collect()
@@ -124,6 +126,8 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None) -> dict:
             except Exception:  # noqa: BLE001 - already failing or finished; report and move on
                 log.exception("rank %d: destroy_process_group failed", spec.rank)
         reporter.close()
+        # telemetry counters for the benchmarks (bench/overhead.py)
+        result.update(reporter_cpu_s=reporter.cpu_s, **(tail.counters() if tail is not None else {}))
 
 
 def _train(
@@ -150,7 +154,12 @@ def _train(
         emit.status(Status.TRAINING)
         t_train = time.perf_counter()
         step, stopped = restored, False
+        # whole loop iterations, hooks and reporting included: wall and process CPU (all
+        # threads, the reporter's too) seconds, for bench/overhead.py
+        step_wall_s: list[float] = []
+        step_cpu_s: list[float] = []
         for step in range(restored + 1, train.steps + 1):
+            t_step, cpu_step = time.perf_counter(), time.process_time()
             hooks.before_step(step)
             recorder.set_step(step)
             result = trainer.step(step, hooks.stop_requested)
@@ -158,6 +167,8 @@ def _train(
             if result.committed is not None and spec.rank == 0:
                 emit.checkpoint(*result.committed)
             stopped = result.stop
+            step_wall_s.append(round(time.perf_counter() - t_step, 6))
+            step_cpu_s.append(round(time.process_time() - cpu_step, 6))
             if stopped:
                 log.info("rank %d: stopping after step %d by command", spec.rank, step)
                 break
@@ -170,6 +181,7 @@ def _train(
     return {
         "rank": spec.rank, "final_step": step, "restored_step": restored, "stopped": stopped,
         "pg_init_s": pg_init_s, "restore_s": restore_s, "train_s": train_s,
+        "step_wall_s": step_wall_s, "step_cpu_s": step_cpu_s,
     }
 
 
@@ -203,6 +215,12 @@ def spec_from_torchrun(argv: list[str] | None = None) -> WorkerSpec:
                         help="'synthetic' or the path of a flat token file")
     parser.add_argument("--job-id", default="", help="job id stamped on events (default: random)")
     parser.add_argument("--pg-timeout-s", type=float, default=60.0, help="process-group timeout, seconds")
+    parser.add_argument("--fr-buffer-entries", type=int, default=WorkerSpec.fr_buffer_entries,
+                        help="native flight-recorder ring size (TORCH_FR_BUFFER_SIZE); 0 = off")
+    parser.add_argument("--fr-poll-interval-s", type=float, default=WorkerSpec.fr_poll_interval_s,
+                        help="longest a recorded collective waits before it is shipped, seconds")
+    parser.add_argument("--report-interval-s", type=float, default=WorkerSpec.report_interval_s,
+                        help="seconds between reports to the node agent")
     args = parser.parse_args(argv)
     model = PRESETS[args.preset]
     if args.fp8 is not None:
@@ -229,6 +247,9 @@ def spec_from_torchrun(argv: list[str] | None = None) -> WorkerSpec:
         model=model,
         train=train,
         pg_timeout_s=args.pg_timeout_s,
+        fr_buffer_entries=args.fr_buffer_entries,
+        fr_poll_interval_s=args.fr_poll_interval_s,
+        report_interval_s=args.report_interval_s,
         external_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 

@@ -236,6 +236,7 @@ class _Analysis:
         self.findings: list[Finding] = []
         self.waits: dict[int, set[int]] = defaultdict(set)  # waiter -> awaited
         self._compat_cache: dict[tuple[int, int], str | None] = {}
+        self._numel_cache: dict[tuple[int, bool], int] = {}
 
     # -- who entered how far -----------------------------------------------------------
 
@@ -371,8 +372,13 @@ class _Analysis:
             i = o.index(seq)
             if i is not None:
                 at[r] = o.sigs[i]
-        if len(at) < 2 or len(set(at.values())) == 1:
+        distinct = set(at.values())
+        if len(at) < 2 or len(distinct) == 1:
             return False
+        sigs = self.sigs
+        if all(sigs[s].op == "all_to_all" for s in distinct) and len(
+                {(sigs[s].input_dtypes, sigs[s].output_dtypes) for s in distinct}) == 1:
+            return self._check_all_to_all(g, at, seq, budget)  # uneven splits: only totals matter
         # classes of mutually compatible signatures, biggest first
         classes: list[tuple[int, list[int]]] = []  # (representative sig, ranks)
         for r in sorted(at):
@@ -399,6 +405,13 @@ class _Analysis:
             budget[0] -= 1
         return True
 
+    def _numel(self, sig: int, inputs: bool) -> int:
+        key = (sig, inputs)
+        n = self._numel_cache.get(key)
+        if n is None:
+            n = self._numel_cache[key] = _numel(self.sigs[sig].input_sizes if inputs else self.sigs[sig].output_sizes)
+        return n
+
     def _compat(self, a: int, b: int) -> str | None:
         key = (a, b)
         if key not in self._compat_cache:
@@ -406,8 +419,9 @@ class _Analysis:
         return self._compat_cache[key]
 
     def _check_all_to_all(self, g: GroupInfo, at: dict[int, int], seq: int, budget: list[int]) -> bool:
-        sent = sum(_numel(self.sigs[s].input_sizes) for s in at.values())
-        received = sum(_numel(self.sigs[s].output_sizes) for s in at.values())
+        numel = self._numel
+        sent = sum(numel(s, True) for s in at.values())
+        received = sum(numel(s, False) for s in at.values())
         if len(at) < len(g.members) or sent == received:
             return False
         self._add(Finding(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from datetime import timedelta
 
 import pytest
@@ -10,6 +12,7 @@ import torch.distributed as dist
 
 from fleet_proto import events_pb2
 from tests.unit.test_workers_support import run_ranks
+from workers.native_fr import NativeFlightTail
 from workers.recorder import FlightRecorder
 from workers.rendezvous import loopback_store
 
@@ -81,3 +84,30 @@ def test_records_every_collective_with_per_group_sequence_numbers():
     # Both ranks name the groups alike, so the controller can match them.
     names = [{e.collective.group for e in map(events_pb2.Event.FromString, raw[r])} for r in (0, 1)]
     assert names[0] == names[1]
+
+
+def _merged(rank: int, world_size: int, port: int) -> list[bytes]:
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "64"
+    events: list[events_pb2.Event] = []
+    tail = NativeFlightTail("job", 1, rank, events.append, ring_entries=64)
+    rec = FlightRecorder("job", 1, rank, events.append, tail=tail)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rec.set_step(7)
+        rec.all_reduce(torch.ones(3))                 # wrapped: measured exit time
+        dist.broadcast(torch.ones(2), src=0)          # not wrapped: exit when seen retired
+        time.sleep(0.05)
+        tail.poll(force=True)
+    finally:
+        dist.destroy_process_group()
+    return [e.SerializeToString() for e in events]
+
+
+def test_native_entries_take_the_wrappers_exit_times():
+    events = [events_pb2.Event.FromString(b) for b in run_ranks(_merged, 1)[0]]
+    assert [e.WhichOneof("kind") for e in events] == ["group", "collective", "collective"]
+    wrapped, raw = (e.collective for e in events[1:])
+    assert (wrapped.op, wrapped.seq, wrapped.step, wrapped.state) == ("all_reduce", 1, 7, "completed")
+    assert not wrapped.exit_estimated and wrapped.exit_ns >= wrapped.enter_ns
+    assert (raw.op, raw.seq, raw.step, raw.state) == ("broadcast", 2, 7, "completed")
+    assert raw.exit_estimated and raw.exit_ns >= wrapped.exit_ns

@@ -3,6 +3,7 @@ reporter's key promise: it keeps shipping while the main thread is stuck in a co
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from fleet_proto import events_pb2
 from tests.unit.test_workers_support import AgentServer, Ranks, free_port, wait_for_gate
+from workers.native_fr import NativeFlightTail
 from workers.recorder import FlightRecorder
 from workers.reporter import Reporter
 from workers.spec import WorkerSpec
@@ -67,6 +69,14 @@ def test_close_flushes_what_is_buffered(agent):
     assert len(agent.events) == 10
     rep.emit(_step(99))  # after close: dropped, not an error
     assert rep.dropped == 1
+
+
+def test_status_events_do_not_wait_for_the_next_report(agent):
+    with Reporter(_spec(agent.address, interval_s=30.0)) as rep:
+        rep.emit(_step(1))  # not urgent: waits for the report interval
+        rep.emit(events_pb2.Event(status=events_pb2.WorkerStatus(job_id="job", state=events_pb2.WorkerStatus.TRAINING)))
+        agent.wait_for(lambda a: len(a.events) == 2, timeout_s=5)
+        assert agent.reports == 1 and _until(lambda: rep.pending == 0, timeout_s=5)
 
 
 def test_polls_without_events_and_passes_commands(agent):
@@ -170,3 +180,39 @@ def test_started_event_arrives_while_rank_is_blocked_in_collective(agent):
         result = ranks.wait(60)
     assert result == {0: 1, 1: 1}
     assert len(agent.of_kind("collective")) == 4  # both ranks flushed on close
+
+
+def _hang_native(rank: int, world_size: int, port: int, agent_address: str) -> int:
+    """Like ``_hang_then_join``, but the op is a raw ``dist.all_reduce`` that only the
+    native flight recorder sees, shipped by the tail from the reporter thread."""
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "64"
+    with Reporter(_spec(agent_address, rank=rank)) as rep:
+        tail = NativeFlightTail("job", 1, rank, rep.emit, ring_entries=64, poll_interval_s=0.1)
+        rep.add_source(tail.poll, tail.probe_interval_s)
+        dist.init_process_group("gloo", store=loopback_store(rank, world_size, port), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=30))
+        try:
+            if rank == 1:
+                wait_for_gate(30)
+            dist.all_reduce(torch.ones(2))
+            tail.poll(force=True)
+        finally:
+            dist.destroy_process_group()
+    return tail.collectives
+
+
+def test_native_entries_arrive_while_rank_is_blocked_in_collective(agent):
+    ranks = Ranks(_hang_native, 2, (agent.address,))
+    try:
+        agent.wait_for(lambda a: any(c.state == "started" for c in a.of_kind("collective", rank=0)),
+                       timeout_s=40)
+        started = agent.of_kind("collective", rank=0)
+        assert [(c.group, c.seq, c.op, c.state) for c in started] == [("0", 1, "all_reduce", "started")]
+        assert agent.of_kind("collective", rank=1) == []
+        assert [list(g.ranks) for g in agent.of_kind("group", rank=0)] == [[0, 1]]
+    finally:
+        ranks.open_gate()
+        result = ranks.wait(60)
+    assert result == {0: 1, 1: 1}
+    for rank in (0, 1):
+        assert [c.state for c in agent.of_kind("collective", rank=rank)][-1] == "completed"
