@@ -291,7 +291,7 @@ class _Analysis:
             self._add(Finding(
                 "missing", g.name, seq, culprits,
                 f"{_ranks(culprits)} never entered collective {seq} ({op}) of group {g.label()}; "
-                f"{_ranks(waiting)} entered it and wait. {their}", waiting))
+                f"{_ranks(waiting)} entered it and {'waits' if len(waiting) == 1 else 'wait'}. {their}", waiting))
 
     def _check_absent(self, g: GroupInfo, ops_by_rank: dict[int, GroupOps], seq: int,
                       front: list[int], absent: list[int]) -> None:
@@ -577,6 +577,8 @@ def _summary(verdict: str, culprits: list[int], findings: list[Finding], missing
         return f"no collectives recorded{note}"
     if verdict == "ok":
         return f"ok: every group's members agree and none is waiting on another{note}"
-    first = next((f for f in findings if f.kind != "straggler"), findings[0]) if verdict != "straggler" \
-        else next(f for f in findings if f.kind == "straggler")
+    kinds = {"straggler"} if verdict == "straggler" else (MISMATCH_KINDS if verdict == "mismatch" else HANG_KINDS)
+    relevant = [f for f in findings if f.kind in kinds] or findings
+    # lead with the finding that blames exactly the culprits (the root, not a downstream wait)
+    first = next((f for f in relevant if f.ranks and set(f.ranks) <= set(culprits)), relevant[0])
     return f"{verdict}: culprit {_ranks(culprits)}. {first.detail}{note}"
