@@ -39,6 +39,32 @@ _RESTORED = events_pb2.WorkerStatus.RESTORED
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
+#: JSON of shapes and dtype lists, by value: a job repeats a few hundred distinct ones
+#: millions of times, and encoding is most of a row's cost. Bounded; races are harmless
+#: (two threads store the same string).
+_JSON_CACHE: dict[tuple, str] = {}
+_JSON_CACHE_MAX = 8192
+
+
+def _cached_json(key: tuple, make: Any) -> str:
+    out = _JSON_CACHE.get(key)
+    if out is None:
+        if len(_JSON_CACHE) >= _JSON_CACHE_MAX:
+            _JSON_CACHE.clear()
+        out = _JSON_CACHE[key] = _dumps(make())
+    return out
+
+
+def _shapes_json(shapes: Any) -> str:
+    key = ("s", *(tuple(s.dims) for s in shapes))
+    return _cached_json(key, lambda: [list(k) for k in key[1:]])
+
+
+def _dtypes_json(dtypes: Any) -> str:
+    key = ("d", *dtypes)
+    return _cached_json(key, lambda: list(key[1:]))
+
+
 def _collective_row(ev: events_pb2.CollectiveEvent) -> dict[str, Any]:
     return {
         "job_id": ev.job_id,
@@ -48,10 +74,10 @@ def _collective_row(ev: events_pb2.CollectiveEvent) -> dict[str, Any]:
         "seq": ev.seq,
         "group_size": ev.group_size,
         "op": ev.op,
-        "input_sizes": _dumps([list(s.dims) for s in ev.input_sizes]),
-        "input_dtypes": _dumps(list(ev.input_dtypes)),
-        "output_sizes": _dumps([list(s.dims) for s in ev.output_sizes]),
-        "output_dtypes": _dumps(list(ev.output_dtypes)),
+        "input_sizes": _shapes_json(ev.input_sizes),
+        "input_dtypes": _dtypes_json(ev.input_dtypes),
+        "output_sizes": _shapes_json(ev.output_sizes),
+        "output_dtypes": _dtypes_json(ev.output_dtypes),
         "enter_ns": ev.enter_ns,
         "exit_ns": ev.exit_ns or None,
         "state": ev.state or "started",
