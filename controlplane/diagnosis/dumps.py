@@ -22,12 +22,13 @@ What is read, and how:
 from __future__ import annotations
 
 import contextlib
-from array import array
 import gc
 import json
+import multiprocessing
 import os
 import pickle
 import re
+from array import array
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -167,17 +168,13 @@ def rank_trace(rank: int, path: Path, table: SignatureTable) -> RankTrace:
     """Read one file and convert its entries (raises ``DumpError`` naming the file)."""
     doc = read_document(path)
     builder = TraceBuilder(rank, table, source=str(path))
-    where = "pg_config"
     try:
         for name, cfg in (doc.get("pg_config") or {}).items():
             if name and isinstance(cfg, dict):
                 builder.declare_group(str(name), str(cfg.get("desc", "")), _parse_ranks(cfg.get("ranks")))
-        where = "entries"
-        _convert_entries(builder, doc.get("entries") or [], table)
-    except DumpError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        raise DumpError(f"{path}: malformed {where} ({type(exc).__name__}: {exc})") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise DumpError(f"{path}: malformed pg_config ({type(exc).__name__}: {exc})") from None
+    _convert_entries(builder, doc.get("entries") or [], table)  # names the file and entry itself
     return builder.finish()
 
 
@@ -277,8 +274,6 @@ def _load(folder: Path, prefix: str | None, workers: int | None, progress: Progr
         chunk = max(4, len(items) // (n_workers * 4))
         chunks = [items[i:i + chunk] for i in range(0, len(items), chunk)]
         done = 0
-        import multiprocessing
-
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
         with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
             for traces, keys in pool.map(_read_chunk, chunks):

@@ -20,9 +20,10 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 #: Backend-specific op names, folded to one name per collective.
 OP_ALIASES = {
@@ -71,7 +72,7 @@ class Signature:
     output_dtypes: tuple[str, ...]
 
     def describe(self) -> str:
-        """One short human form, e.g. ``all_reduce in=[[10]] float32``."""
+        """One short human form, e.g. ``all_reduce [[10]] float32``."""
         sizes = [list(s) for s in self.input_sizes] if self.input_sizes else [list(s) for s in self.output_sizes]
         dtypes = ",".join(sorted(set(self.input_dtypes) | set(self.output_dtypes))) or "-"
         return f"{self.op} {sizes} {dtypes}"
@@ -131,14 +132,8 @@ class GroupOps:
         i = seq - seqs[0]
         if 0 <= i < len(seqs) and seqs[i] == seq:  # the common, gap-free case
             return i
-        lo, hi = 0, len(seqs)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if seqs[mid] < seq:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo if lo < len(seqs) and seqs[lo] == seq else None
+        i = bisect.bisect_left(seqs, seq)
+        return i if i < len(seqs) and seqs[i] == seq else None
 
     def compact(self) -> None:
         """Switch the lists to typed arrays: a tenth of the memory, and a process pool
@@ -226,8 +221,6 @@ class TraceBuilder:
 
     @staticmethod
     def _insert(ops: GroupOps, seq: int, sig: int, enter_ns: int, exit_ns: int, done: bool) -> None:
-        import bisect
-
         i = bisect.bisect_left(ops.seqs, seq)
         for lst, v in ((ops.seqs, seq), (ops.sigs, sig), (ops.enter_ns, enter_ns),
                        (ops.exit_ns, exit_ns), (ops.done, done)):
@@ -237,12 +230,6 @@ class TraceBuilder:
         """A send/recv; ``meta`` is the native ``"src->dst"`` / ``"dst<-src"`` in group ranks."""
         self.trace.entries += 1
         self._pending_p2p.append((group, kind, meta, seq, sig, enter_ns, done))
-
-    def add_p2p_global(self, group: str, kind: str, peer: int, seq: int, sig: int, enter_ns: int,
-                       done: bool) -> None:
-        """A send/recv whose partner is already a global rank (the store's form)."""
-        self.trace.entries += 1
-        self.trace.p2p.setdefault(group, []).append(P2POp(kind, peer, seq, sig, enter_ns, done))
 
     def finish(self) -> RankTrace:
         """The trace, with point-to-point peers mapped to global ranks."""
@@ -265,7 +252,3 @@ def _p2p_peer(kind: str, meta: str) -> int:
     except (IndexError, ValueError):
         return -1
 
-
-def as_sizes(value: Any) -> list[list[int]]:
-    """Sizes from a dump entry: a list of shapes (lists of ints)."""
-    return value if isinstance(value, list) else []

@@ -33,7 +33,8 @@ def traces(spec, members=None, p2p=None, missing_ok=False) -> TraceSet:
             sizes = ((size,),)
             sig = table.intern(kind, sizes if kind == "send" else (), sizes if kind == "recv" else (),
                                [F32] if kind == "send" else [], [F32] if kind == "recv" else [])
-            b.add_p2p_global("0", kind, peer, seq, sig, seq * 1000, done)
+            meta = f"{rank}->{peer}" if kind == "send" else f"{rank}<-{peer}"  # as the native entry names it
+            b.add_p2p("0", kind, meta, seq, sig, seq * 1000, done)
         out[rank] = b.finish()
     return TraceSet(source="test", ranks=out, table=table)
 
