@@ -82,15 +82,35 @@ class Heartbeat(_message.Message):
     host: HostMetrics
     def __init__(self, agent_id: _Optional[str] = ..., time_ns: _Optional[int] = ..., host: _Optional[_Union[HostMetrics, _Mapping]] = ...) -> None: ...
 
+class DropReport(_message.Message):
+    __slots__ = ("agent_id", "epoch", "first_seq", "last_seq", "events", "reason", "time_ns")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    epoch: int
+    first_seq: int
+    last_seq: int
+    events: int
+    reason: str
+    time_ns: int
+    def __init__(self, agent_id: _Optional[str] = ..., epoch: _Optional[int] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., events: _Optional[int] = ..., reason: _Optional[str] = ..., time_ns: _Optional[int] = ...) -> None: ...
+
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "batch", "heartbeat")
+    __slots__ = ("hello", "batch", "heartbeat", "drop")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     batch: EventBatch
     heartbeat: Heartbeat
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    drop: DropReport
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., drop: _Optional[_Union[DropReport, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("controller_id", "committed_seq")
@@ -101,12 +121,14 @@ class Welcome(_message.Message):
     def __init__(self, controller_id: _Optional[str] = ..., committed_seq: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("epoch", "seq")
+    __slots__ = ("epoch", "seq", "rejected")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     seq: int
-    def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    rejected: str
+    def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ..., rejected: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
     __slots__ = ("welcome", "ack", "command")

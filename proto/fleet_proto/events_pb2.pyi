@@ -170,19 +170,87 @@ class ProcessGroupInfo(_message.Message):
     ranks: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., group: _Optional[str] = ..., desc: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class CollectiveColumns(_message.Message):
+    __slots__ = ("strings", "job_id", "attempt", "rank", "group", "group_size", "seq", "op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "enter_ns", "exit_ns", "state", "step", "exit_estimated")
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SIZES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DTYPES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SIZES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DTYPES_FIELD_NUMBER: _ClassVar[int]
+    ENTER_NS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_NS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EXIT_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    strings: _containers.RepeatedScalarFieldContainer[str]
+    job_id: _containers.RepeatedScalarFieldContainer[int]
+    attempt: _containers.RepeatedScalarFieldContainer[int]
+    rank: _containers.RepeatedScalarFieldContainer[int]
+    group: _containers.RepeatedScalarFieldContainer[int]
+    group_size: _containers.RepeatedScalarFieldContainer[int]
+    seq: _containers.RepeatedScalarFieldContainer[int]
+    op: _containers.RepeatedScalarFieldContainer[int]
+    input_sizes: _containers.RepeatedScalarFieldContainer[int]
+    input_dtypes: _containers.RepeatedScalarFieldContainer[int]
+    output_sizes: _containers.RepeatedScalarFieldContainer[int]
+    output_dtypes: _containers.RepeatedScalarFieldContainer[int]
+    enter_ns: _containers.RepeatedScalarFieldContainer[int]
+    exit_ns: _containers.RepeatedScalarFieldContainer[int]
+    state: _containers.RepeatedScalarFieldContainer[int]
+    step: _containers.RepeatedScalarFieldContainer[int]
+    exit_estimated: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, strings: _Optional[_Iterable[str]] = ..., job_id: _Optional[_Iterable[int]] = ..., attempt: _Optional[_Iterable[int]] = ..., rank: _Optional[_Iterable[int]] = ..., group: _Optional[_Iterable[int]] = ..., group_size: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., op: _Optional[_Iterable[int]] = ..., input_sizes: _Optional[_Iterable[int]] = ..., input_dtypes: _Optional[_Iterable[int]] = ..., output_sizes: _Optional[_Iterable[int]] = ..., output_dtypes: _Optional[_Iterable[int]] = ..., enter_ns: _Optional[_Iterable[int]] = ..., exit_ns: _Optional[_Iterable[int]] = ..., state: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., exit_estimated: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class SdcCheckEvent(_message.Message):
+    __slots__ = ("job_id", "attempt", "rank", "node", "step", "kind", "value", "expected", "ok", "detail", "time_ns")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    rank: int
+    node: str
+    step: int
+    kind: str
+    value: str
+    expected: str
+    ok: bool
+    detail: str
+    time_ns: int
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., node: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[str] = ..., value: _Optional[str] = ..., expected: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ..., time_ns: _Optional[int] = ...) -> None: ...
+
 class Event(_message.Message):
-    __slots__ = ("collective", "step", "status", "checkpoint", "group")
+    __slots__ = ("collective", "step", "status", "checkpoint", "group", "collectives", "sdc")
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    SDC_FIELD_NUMBER: _ClassVar[int]
     collective: CollectiveEvent
     step: StepEvent
     status: WorkerStatus
     checkpoint: CheckpointEvent
     group: ProcessGroupInfo
-    def __init__(self, collective: _Optional[_Union[CollectiveEvent, _Mapping]] = ..., step: _Optional[_Union[StepEvent, _Mapping]] = ..., status: _Optional[_Union[WorkerStatus, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointEvent, _Mapping]] = ..., group: _Optional[_Union[ProcessGroupInfo, _Mapping]] = ...) -> None: ...
+    collectives: CollectiveColumns
+    sdc: SdcCheckEvent
+    def __init__(self, collective: _Optional[_Union[CollectiveEvent, _Mapping]] = ..., step: _Optional[_Union[StepEvent, _Mapping]] = ..., status: _Optional[_Union[WorkerStatus, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointEvent, _Mapping]] = ..., group: _Optional[_Union[ProcessGroupInfo, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., sdc: _Optional[_Union[SdcCheckEvent, _Mapping]] = ...) -> None: ...
 
 class FaultSpec(_message.Message):
     __slots__ = ("kind", "at_step", "duration_s")
