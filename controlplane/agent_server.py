@@ -1,9 +1,18 @@
 """The controller's side of AgentService: one bidi stream per node agent.
 
-Per stream, a named receiver thread reads the agent's messages: event batches are
-committed to the store (idempotently, keyed by (agent_id, epoch, seq)) and acked only
-after the commit; heartbeats update the node's liveness and health samples. The
-response generator sends the Welcome, the acks and any commands posted for that node.
+Per stream, a named receiver thread reads the agent's messages. An event batch is
+validated and turned into rows right there (``ingest.prepare``), then queued for the
+store's single writer (``IngestWriter``), which commits it idempotently, keyed by
+(agent_id, epoch, seq), and acks it after the commit. A batch that fails validation is
+recorded as dropped and acked as rejected, in its place in the stream's order.
+Heartbeats update the node's liveness and health samples; DropReports (events an agent
+lost) are stored in ``ingest_drops``. The response generator sends the Welcome, the
+acks and any commands posted for that node.
+
+Refusals never crash anything and are counted in ``fleet_ingest_errors_total``: a
+missing or wrong token (UNAUTHENTICATED), bytes that are not an AgentMessage
+(INVALID_ARGUMENT), a message over the size limit (RESOURCE_EXHAUSTED, by gRPC itself),
+a stream that breaks the protocol (INVALID_ARGUMENT), an invalid batch (rejected ack).
 
 ``AgentRegistry`` is what the rest of the controller sees: which nodes have a live
 agent, when each was last heard from, and a way to send a command to a node.
@@ -22,7 +31,15 @@ import grpc
 
 from controlplane.auth import TOKEN_METADATA_KEY, tokens_equal
 from controlplane.errors import UnavailableError
+from controlplane.ingest_writer import IngestWriter, Item
+from controlplane.metrics import ControllerMetrics
 from controlplane.store import Store
+from controlplane.store.ingest import InvalidBatch, prepare
+
+#: What the AgentService deserializer returns for bytes that are not an AgentMessage,
+#: and for a message over the size limit.
+MALFORMED = object()
+OVERSIZED = object()
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
@@ -39,9 +56,21 @@ class AgentSession:
     outbox: queue.Queue[agent_pb2.ControllerMessage] = field(default_factory=queue.Queue)
     last_heard: float = field(default_factory=time.monotonic)
     connected: bool = True
-    batches: int = 0
-    events: int = 0
-    duplicates: int = 0
+    failed: bool = False
+    #: Set when the stream must end: the agent went away, or ``fail`` was called.
+    done: threading.Event = field(default_factory=threading.Event)
+    status: tuple[grpc.StatusCode, str] | None = None
+
+    def ack(self, msg: agent_pb2.ControllerMessage) -> None:
+        self.outbox.put(msg)
+
+    def fail(self, reason: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        """End this stream with ``code`` (the agent reconnects and resends what is unacked)."""
+        if not self.failed:
+            self.failed = True
+            self.status = (code, reason)
+            log.warning("agent %s: closing its stream (%s): %s", self.agent_id, code.name, reason)
+        self.done.set()
 
 
 class AgentRegistry:
@@ -96,29 +125,49 @@ class AgentRegistry:
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    """Accepts agent streams, commits their batches, acks them, relays commands."""
+    """Accepts agent streams, queues their batches for the writer, relays commands.
 
-    def __init__(self, store: Store, registry: AgentRegistry, token: str, controller_id: str) -> None:
+    Owns the ``IngestWriter``; ``close()`` commits what is queued and stops it."""
+
+    def __init__(self, store: Store, registry: AgentRegistry, token: str, controller_id: str,
+                 metrics: ControllerMetrics | None = None) -> None:
         self._store = store
         self._registry = registry
         self._token = token
         self._controller_id = controller_id
+        self.metrics = metrics or ControllerMetrics()
+        self.writer = IngestWriter(store, self.metrics)
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def _refuse(self, context: grpc.ServicerContext, reason: str, code: grpc.StatusCode,
+                detail: str) -> None:
+        self.metrics.errors.labels(reason).inc()
+        context.abort(code, detail)
 
     def Connect(
         self, request_iterator: Iterator[agent_pb2.AgentMessage], context: grpc.ServicerContext
     ) -> Iterator[agent_pb2.ControllerMessage]:
         metadata = dict(context.invocation_metadata())
         if not tokens_equal(metadata.get(TOKEN_METADATA_KEY), self._token):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-fleet-token")
+            self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED,
+                         "missing or wrong x-fleet-token")
         try:
             first = next(request_iterator)
         except StopIteration:
             return
+        if first is MALFORMED:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message is not an AgentMessage")
+        if first is OVERSIZED:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the first message is over the size limit")
         if first.WhichOneof("msg") != "hello" or not first.hello.node_name:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello with node_name")
+            self._refuse(context, "protocol", grpc.StatusCode.INVALID_ARGUMENT,
+                         "the first message must be a Hello with node_name")
         hello = first.hello
         if not tokens_equal(hello.token, self._token):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong token in Hello")
+            self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED,
+                         "wrong token in Hello")
 
         session = AgentSession(
             agent_id=hello.agent_id or f"agent-{hello.node_name}",
@@ -129,12 +178,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self._store.upsert_node(hello.node_name, hello.ray_node_id, hello.hostname, "{}")
         committed = self._store.committed_seq(session.agent_id, session.epoch)
         self._registry.attach(session)
+        self.metrics.agents.inc()
         log.info("agent %s connected (epoch %d, committed seq %d)", session.agent_id, session.epoch, committed)
 
-        done = threading.Event()
+        done = session.done
         receiver = threading.Thread(
             target=self._receive,
-            args=(request_iterator, session, context, done),
+            args=(request_iterator, session),
             name=f"fleet-agent-rx-{session.node_name}",
             daemon=True,
         )
@@ -151,46 +201,72 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             # drain acks produced just before the stream ended
             while not session.outbox.empty() and context.is_active():
                 yield session.outbox.get_nowait()
+            if session.status is not None:
+                context.abort(*session.status)
         finally:
             done.set()
             self._registry.detach(session)
+            self.metrics.agents.dec()
             log.info("agent %s disconnected", session.agent_id)
 
-    def _receive(
-        self,
-        request_iterator: Iterator[agent_pb2.AgentMessage],
-        session: AgentSession,
-        context: grpc.ServicerContext,
-        done: threading.Event,
-    ) -> None:
+    def _receive(self, request_iterator: Iterator[agent_pb2.AgentMessage],
+                 session: AgentSession) -> None:
         try:
             for msg in request_iterator:
                 session.last_heard = time.monotonic()
+                if msg is MALFORMED:
+                    session.fail("a message is not an AgentMessage", grpc.StatusCode.INVALID_ARGUMENT)
+                    return
+                if msg is OVERSIZED:
+                    session.fail("a message is over the size limit", grpc.StatusCode.RESOURCE_EXHAUSTED)
+                    return
                 kind = msg.WhichOneof("msg")
                 if kind == "batch":
-                    self._ingest(session, msg.batch)
+                    if not self._queue_batch(session, msg.batch):
+                        return
                 elif kind == "heartbeat":
                     h = msg.heartbeat.host
                     self._store.record_health(
                         session.node_name, msg.heartbeat.time_ns, h.cpu_percent, h.load1,
                         h.mem_used_bytes, h.mem_total_bytes, h.workers_alive,
                     )
+                elif kind == "drop":
+                    self._record_agent_drop(session, msg.drop)
+                else:
+                    self.metrics.errors.labels("protocol").inc()
+                    session.fail(f"unexpected {kind or 'empty'} message after the Hello",
+                                 grpc.StatusCode.INVALID_ARGUMENT)
+                    return
         except grpc.RpcError:
             pass  # the agent went away; it resends unacked batches on reconnect
         except Exception:
-            log.exception("agent %s: ingest failed; closing its stream", session.agent_id)
-            context.cancel()
+            log.exception("agent %s: receiving failed; closing its stream", session.agent_id)
+            session.fail("the controller failed to read the stream")
         finally:
-            done.set()
+            session.done.set()
 
-    def _ingest(self, session: AgentSession, batch: agent_pb2.EventBatch) -> None:
+    def _queue_batch(self, session: AgentSession, batch: agent_pb2.EventBatch) -> bool:
         if batch.agent_id != session.agent_id or batch.epoch != session.epoch:
-            log.warning("agent %s sent a batch for %s/%d; ignored", session.agent_id, batch.agent_id, batch.epoch)
-            return
-        fresh = self._store.record_batch(batch.agent_id, batch.epoch, batch.seq, batch.events)
-        session.batches += 1
-        if fresh:
-            session.events += len(batch.events)
-        else:
-            session.duplicates += 1
-        session.outbox.put(agent_pb2.ControllerMessage(ack=agent_pb2.Ack(epoch=batch.epoch, seq=batch.seq)))
+            self.metrics.errors.labels("protocol").inc()
+            session.fail(f"batch for {batch.agent_id}/{batch.epoch} on the stream of "
+                         f"{session.agent_id}/{session.epoch}", grpc.StatusCode.INVALID_ARGUMENT)
+            return False
+        try:
+            rows, rejected = prepare(batch.events), ""
+        except InvalidBatch as exc:
+            rows, rejected = None, str(exc)
+        events = rows.events if rows is not None else sum(
+            len(e.collectives.job_id) if e.WhichOneof("kind") == "collectives" else 1
+            for e in batch.events)
+        item = Item(session, batch.epoch, batch.seq, rows, events, rejected)
+        while not self.writer.put(item, timeout_s=0.5):
+            if session.done.is_set():
+                return False
+        return True
+
+    def _record_agent_drop(self, session: AgentSession, drop: agent_pb2.DropReport) -> None:
+        self.metrics.dropped.labels("agent").inc(drop.events)
+        log.error("agent %s lost %d events (batches %d-%d): %s", session.agent_id, drop.events,
+                  drop.first_seq, drop.last_seq, drop.reason)
+        self._store.record_drop(session.agent_id, session.node_name, drop.epoch, drop.first_seq,
+                                drop.last_seq, drop.events, drop.reason, "agent")

@@ -3,7 +3,8 @@
 ``Reporter`` owns one background daemon thread (``fleet-reporter-r{rank}``) and one
 insecure gRPC channel to ``spec.agent_address``. Every ``spec.report_interval_s`` the
 thread takes everything buffered by ``emit`` and sends it in one
-``NodeAgent.Report(WorkerReport)`` call, then passes each returned ``Command`` to
+``NodeAgent.Report(WorkerReport)`` call (collectives packed into one column block,
+``workers.columns``), then passes each returned ``Command`` to
 ``on_command``. It calls even with nothing to send, so commands still arrive. Status
 and checkpoint events are sent at once instead of waiting for the next report.
 Between reports the thread runs the event sources (``add_source``) on their own,
@@ -38,6 +39,7 @@ from collections.abc import Callable
 import grpc
 
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from workers import columns
 from workers.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -235,7 +237,8 @@ class Reporter:
     def _send(self, batch: list[events_pb2.Event], timeout_s: float) -> None:
         assert self._stub is not None
         report = agent_pb2.WorkerReport(
-            job_id=self.spec.job_id, attempt=self.spec.attempt, rank=self.spec.rank, events=batch)
+            job_id=self.spec.job_id, attempt=self.spec.attempt, rank=self.spec.rank,
+            events=columns.pack_events(batch))
         reply = self._stub.Report(report, timeout=timeout_s)
         self.sent += len(batch)
         for cmd in reply.commands:

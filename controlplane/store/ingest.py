@@ -1,12 +1,24 @@
-"""Writing one agent batch of telemetry events inside the caller's transaction.
+"""Turning agent batches into rows, and writing them inside the caller's transaction.
 
-Invariants:
-- Collectives: one row per (job, attempt, rank, group, seq). A batch is first merged in
-  memory (a "started" and its completion in the same batch become one row), then
-  written with one bulk upsert: a completion sets ``exit_ns``/``state`` on an existing
-  row, a "started" never overwrites a completion that arrived first, and a completion
-  whose start was never seen is inserted as is.
-- Steps, worker statuses: bulk inserts (batch idempotency comes from ``ingest_batches``).
+Ingest runs in two steps so that the expensive one can run off the writer thread:
+``prepare(events)`` validates a batch and builds plain row tuples/dicts (no database),
+``write(session, prepared)`` executes them. A batch that fails validation raises
+``InvalidBatch`` naming what is wrong; nothing of it is written.
+
+Collectives are the volume (tens of thousands per second per controller). They arrive as
+``CollectiveColumns`` blocks, column by column, and become rows with ``zip`` over the
+columns: no per-row Python code on the controller. Single ``CollectiveEvent``s (plain
+torchrun scripts, older agents) take a per-event path that produces the same tuples.
+Rows go to the database through the DBAPI cursor's ``executemany`` with one
+``INSERT ... ON CONFLICT`` statement, which is the cost of a raw ``executemany``.
+
+Row invariants:
+- Collectives: one row per (job, attempt, rank, group, seq). A completion sets
+  ``exit_ns``/``state``/``exit_estimated`` on an existing row; a "started" never
+  overwrites a completion that arrived first (rows are applied in batch order, so a
+  start and its completion in the same batch also end as one completed row).
+- Steps, worker statuses, SDC checks: plain inserts (a batch is written at most once,
+  which ``ingest_batches`` guarantees).
 - Process groups: upserted on (job, attempt, rank, group); a re-send changes nothing.
 - Checkpoints: upserted on (job, step), ``valid=True`` (a re-save of a step replaces it).
 - A RESTORED worker status sets the attempt's ``restored_step``.
@@ -17,31 +29,69 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import case, insert, update
+from sqlalchemy import insert, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from controlplane.errors import FleetError
 from controlplane.store.engine import upsert
 from controlplane.store.schema import (
+    JOB_ID_LEN,
+    NAME_LEN,
     Attempt,
     Checkpoint,
-    Collective,
     ProcessGroupRow,
     Step,
     WorkerStatusRow,
+    metadata,
 )
 from fleet_proto import events_pb2
 
-_COLLECTIVE_KEY = ["job_id", "attempt", "rank", "group_name", "seq"]
 _STATUS_NAMES = events_pb2.WorkerStatus.State
 _RESTORED = events_pb2.WorkerStatus.RESTORED
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
+COLLECTIVE_STATES = frozenset({"started", "completed", "failed"})
+OP_LEN = 64
+STATE_LEN = 16
+
+#: Collective columns in table order; ``write`` and the benchmark's raw limit use it.
+COLLECTIVE_COLUMNS = (
+    "job_id", "attempt", "rank", "group_name", "seq", "group_size", "op", "input_sizes",
+    "input_dtypes", "output_sizes", "output_dtypes", "enter_ns", "exit_ns", "state",
+    "exit_estimated", "step",
+)
+_KEY = ("job_id", "attempt", "rank", "group_name", "seq")
+_ON_COMPLETION = ("exit_ns", "state", "exit_estimated")
+
+
+class InvalidBatch(FleetError):
+    """A batch that cannot be stored as sent (the reason names the field)."""
+
+
+@dataclass
+class PreparedBatch:
+    """One batch's rows, ready to execute. ``events`` counts the events it came from
+    (a ``CollectiveColumns`` block counts as its rows)."""
+
+    events: int = 0
+    collectives: list[tuple] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    statuses: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: dict[tuple, dict[str, Any]] = field(default_factory=dict)
+    groups: dict[tuple, dict[str, Any]] = field(default_factory=dict)
+    sdc: list[dict[str, Any]] = field(default_factory=list)
+    restored: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+# -- JSON of shapes and dtype lists ---------------------------------------------------------
 
 #: JSON of shapes and dtype lists, by value: a job repeats a few hundred distinct ones
-#: millions of times, and encoding is most of a row's cost. Bounded; races are harmless
-#: (two threads store the same string).
+#: millions of times, and encoding is most of a single event's cost. Bounded; races are
+#: harmless (two threads store the same string).
 _JSON_CACHE: dict[tuple, str] = {}
 _JSON_CACHE_MAX = 8192
 
@@ -65,137 +115,216 @@ def _dtypes_json(dtypes: Any) -> str:
     return _cached_json(key, lambda: list(key[1:]))
 
 
-def _collective_row(ev: events_pb2.CollectiveEvent) -> dict[str, Any]:
+#: Strings already checked to be a JSON list of shapes (or of dtype names).
+_VALID_SHAPES: set[str] = set()
+_VALID_DTYPES: set[str] = set()
+
+
+def _check_json(text: str, what: str, seen: set[str]) -> None:
+    if text in seen:
+        return
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise InvalidBatch(f"collectives.{what}: {text[:80]!r} is not JSON") from None
+    if what.endswith("sizes"):
+        ok = isinstance(value, list) and all(
+            isinstance(s, list) and all(type(d) is int for d in s) for s in value)
+    else:
+        ok = isinstance(value, list) and all(isinstance(d, str) for d in value)
+    if not ok:
+        raise InvalidBatch(f"collectives.{what}: {text[:80]!r} is not a list of "
+                           + ("shapes" if what.endswith("sizes") else "dtype names"))
+    if len(seen) < _JSON_CACHE_MAX:
+        seen.add(text)
+
+
+# -- collectives ----------------------------------------------------------------------------
+
+_INDEX_COLUMNS = ("job_id", "group", "op", "input_sizes", "input_dtypes", "output_sizes",
+                  "output_dtypes", "state")
+_VALUE_COLUMNS = ("attempt", "rank", "group_size", "seq", "enter_ns", "exit_ns", "step",
+                  "exit_estimated")
+_LIMITS = {"job_id": JOB_ID_LEN, "group": NAME_LEN, "op": OP_LEN, "state": STATE_LEN}
+
+
+def _column_rows(block: events_pb2.CollectiveColumns) -> list[tuple]:
+    """Validate a columns block and return its rows (table column order)."""
+    n = len(block.job_id)
+    for name in _INDEX_COLUMNS + _VALUE_COLUMNS:
+        if len(getattr(block, name)) != n:
+            raise InvalidBatch(f"collectives.{name} has {len(getattr(block, name))} values, "
+                               f"collectives.job_id has {n}")
+    if n == 0:
+        return []
+    strings = list(block.strings)
+    for name in _INDEX_COLUMNS:
+        used = set(getattr(block, name))
+        if max(used) >= len(strings):
+            raise InvalidBatch(f"collectives.{name}: index {max(used)} outside strings "
+                               f"({len(strings)} entries)")
+        values = {strings[i] for i in used}
+        limit = _LIMITS.get(name)
+        if limit is not None:
+            longest = max(values, key=len)
+            if len(longest) > limit:
+                raise InvalidBatch(f"collectives.{name}: {longest[:80]!r} is longer than "
+                                   f"{limit} characters")
+            if "" in values and name != "group":
+                raise InvalidBatch(f"collectives.{name}: empty string")
+        if name == "state" and not values <= COLLECTIVE_STATES:
+            raise InvalidBatch(f"collectives.state: {sorted(values - COLLECTIVE_STATES)} "
+                               f"not in {sorted(COLLECTIVE_STATES)}")
+        if name in ("input_sizes", "output_sizes"):
+            for text in values:
+                _check_json(text, name, _VALID_SHAPES)
+        elif name in ("input_dtypes", "output_dtypes"):
+            for text in values:
+                _check_json(text, name, _VALID_DTYPES)
+    get = strings.__getitem__
+    return list(zip(
+        map(get, block.job_id), block.attempt, block.rank, map(get, block.group), block.seq,
+        block.group_size, map(get, block.op), map(get, block.input_sizes),
+        map(get, block.input_dtypes), map(get, block.output_sizes), map(get, block.output_dtypes),
+        block.enter_ns, [x or None for x in block.exit_ns], map(get, block.state),
+        block.exit_estimated, block.step,
+    ))
+
+
+def _event_row(ev: events_pb2.CollectiveEvent) -> tuple:
+    state = ev.state or "started"
+    if state not in COLLECTIVE_STATES:
+        raise InvalidBatch(f"collective.state: {state[:80]!r} not in {sorted(COLLECTIVE_STATES)}")
+    if not ev.job_id or len(ev.job_id) > JOB_ID_LEN or len(ev.group) > NAME_LEN \
+            or not ev.op or len(ev.op) > OP_LEN:
+        raise InvalidBatch("collective: job_id and op must be non-empty and job_id, group, op "
+                           f"at most {JOB_ID_LEN}, {NAME_LEN}, {OP_LEN} characters")
+    return (ev.job_id, ev.attempt, ev.rank, ev.group, ev.seq, ev.group_size, ev.op,
+            _shapes_json(ev.input_sizes), _dtypes_json(ev.input_dtypes),
+            _shapes_json(ev.output_sizes), _dtypes_json(ev.output_dtypes),
+            ev.enter_ns, ev.exit_ns or None, state, ev.exit_estimated, ev.step)
+
+
+def collective_upsert_sql(dialect_name: str) -> str:
+    """The one statement every collective row goes through (DBAPI paramstyle)."""
+    mark = "?" if dialect_name == "sqlite" else "%s"
+    cols = ", ".join(COLLECTIVE_COLUMNS)
+    keep = ", ".join(
+        f"{c} = CASE WHEN excluded.state <> 'started' THEN excluded.{c} ELSE collectives.{c} END"
+        for c in _ON_COMPLETION)
+    return (f"INSERT INTO collectives ({cols}) VALUES ({', '.join([mark] * len(COLLECTIVE_COLUMNS))}) "
+            f"ON CONFLICT ({', '.join(_KEY)}) DO UPDATE SET {keep}")
+
+
+# -- the rest -------------------------------------------------------------------------------
+
+def _step_row(ev: events_pb2.StepEvent) -> dict[str, Any]:
     return {
-        "job_id": ev.job_id,
-        "attempt": ev.attempt,
-        "rank": ev.rank,
-        "group_name": ev.group,
-        "seq": ev.seq,
-        "group_size": ev.group_size,
-        "op": ev.op,
-        "input_sizes": _shapes_json(ev.input_sizes),
-        "input_dtypes": _dtypes_json(ev.input_dtypes),
-        "output_sizes": _shapes_json(ev.output_sizes),
-        "output_dtypes": _dtypes_json(ev.output_dtypes),
-        "enter_ns": ev.enter_ns,
-        "exit_ns": ev.exit_ns or None,
-        "state": ev.state or "started",
-        "step": ev.step,
-        "exit_estimated": ev.exit_estimated,
+        "job_id": ev.job_id, "attempt": ev.attempt, "rank": ev.rank, "step": ev.step,
+        "loss": ev.loss, "step_time_s": ev.step_time_s, "tokens_per_s": ev.tokens_per_s,
+        "end_ns": ev.end_ns, "grad_norm": ev.grad_norm, "lr": ev.lr, "mfu": ev.mfu,
+        "aux_loss": ev.aux_loss,
+        "imbalanced": any(x.imbalanced for x in ev.expert_load),
+        "expert_load": _dumps([
+            {"layer": x.layer, "tokens_per_expert": list(x.tokens_per_expert),
+             "min_share": x.min_share, "max_share": x.max_share, "imbalanced": x.imbalanced}
+            for x in ev.expert_load
+        ]),
     }
 
 
-def _merge_collectives(events: list[events_pb2.CollectiveEvent]) -> list[dict[str, Any]]:
-    merged: dict[tuple, dict[str, Any]] = {}
-    for ev in events:
-        key = (ev.job_id, ev.attempt, ev.rank, ev.group, ev.seq)
-        row = merged.get(key)
-        if row is None:
-            merged[key] = _collective_row(ev)
-        elif ev.state and ev.state != "started":
-            row["state"] = ev.state
-            row["exit_ns"] = ev.exit_ns or None
-            row["exit_estimated"] = ev.exit_estimated
-    return list(merged.values())
+def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
+    """Validate ``events`` and build their rows; ``InvalidBatch`` names the first problem."""
+    out = PreparedBatch()
+    for i, event in enumerate(events):
+        kind = event.WhichOneof("kind")
+        try:
+            if kind == "collectives":
+                rows = _column_rows(event.collectives)
+                out.collectives.extend(rows)
+                out.events += len(rows)
+                continue
+            out.events += 1
+            if kind == "collective":
+                out.collectives.append(_event_row(event.collective))
+            elif kind == "step":
+                out.steps.append(_step_row(event.step))
+            elif kind == "status":
+                ev = event.status
+                out.statuses.append({
+                    "job_id": ev.job_id, "attempt": ev.attempt, "rank": ev.rank,
+                    "state": _STATUS_NAMES.Name(ev.state), "time_ns": ev.time_ns, "pid": ev.pid,
+                    "hostname": ev.hostname, "restored_step": ev.restored_step,
+                    "detail": ev.detail, "phase_s": ev.phase_s,
+                })
+                if ev.state == _RESTORED:
+                    out.restored.append((ev.job_id, ev.attempt, ev.restored_step))
+            elif kind == "checkpoint":
+                ev = event.checkpoint
+                # Same (job, step) twice in one statement would make PostgreSQL refuse it.
+                out.checkpoints[(ev.job_id, ev.step)] = {
+                    "job_id": ev.job_id, "attempt": ev.attempt, "step": ev.step, "path": ev.path,
+                    "manifest_sha256": ev.manifest_sha256, "save_s": ev.save_s, "valid": True,
+                    "created_at": ev.time_ns / 1e9 if ev.time_ns else time.time(),
+                }
+            elif kind == "group":
+                ev = event.group
+                out.groups[(ev.job_id, ev.attempt, ev.rank, ev.group)] = {
+                    "job_id": ev.job_id, "attempt": ev.attempt, "rank": ev.rank,
+                    "group_name": ev.group, "desc": ev.desc, "ranks": _dumps(sorted(ev.ranks))}
+            elif kind == "sdc":
+                ev = event.sdc
+                out.sdc.append({
+                    "job_id": ev.job_id, "attempt": ev.attempt,
+                    "rank": ev.rank if ev.rank >= 0 else None, "node": ev.node or None,
+                    "step": ev.step, "kind": ev.kind, "value": ev.value,
+                    "expected": ev.expected, "ok": ev.ok, "detail": ev.detail,
+                    "time_ns": ev.time_ns,
+                })
+            # An empty Event (no kind set) carries nothing to store.
+        except InvalidBatch as exc:
+            raise InvalidBatch(f"event {i}: {exc}") from None
+    return out
 
 
-def _collective_upsert(dialect_name: str):
-    c = Collective.__table__.c
-
-    def keep_completion(col: str):
-        return lambda ex: case((ex.state != "started", ex[col]), else_=c[col])
-
-    return upsert(
-        dialect_name,
-        Collective.__table__,
-        _COLLECTIVE_KEY,
-        {"exit_ns": keep_completion("exit_ns"), "state": keep_completion("state"),
-         "exit_estimated": keep_completion("exit_estimated")},
-    )
-
-
-def _group_upsert(dialect_name: str):
-    return upsert(dialect_name, ProcessGroupRow.__table__, ["job_id", "attempt", "rank", "group_name"],
-                  {col: (lambda ex, col=col: ex[col]) for col in ("desc", "ranks")})
-
-
-def _checkpoint_upsert(dialect_name: str):
-    cols = ["attempt", "path", "manifest_sha256", "save_s", "valid", "created_at"]
-    return upsert(
-        dialect_name,
-        Checkpoint.__table__,
-        ["job_id", "step"],
-        {col: (lambda ex, col=col: ex[col]) for col in cols},
-    )
+def write(session: Session, batch: PreparedBatch) -> None:
+    """Execute ``batch``'s rows through ``session`` (inside the caller's transaction)."""
+    dialect_name = session.get_bind().dialect.name
+    if batch.collectives:
+        # The raw DBAPI cursor: SQLAlchemy's per-row parameter handling would cost more
+        # than the database does. Its errors are translated as SQLAlchemy's own would be.
+        dialect = session.get_bind().dialect
+        sql = collective_upsert_sql(dialect_name)
+        cursor = session.connection().connection.dbapi_connection.cursor()
+        try:
+            cursor.executemany(sql, batch.collectives)
+        except dialect.loaded_dbapi.Error as e:
+            raise DBAPIError.instance(sql, None, e, dialect.loaded_dbapi.Error) from e
+        finally:
+            cursor.close()
+    if batch.steps:
+        session.execute(insert(Step.__table__), batch.steps)
+    if batch.groups:
+        session.execute(
+            upsert(dialect_name, ProcessGroupRow.__table__, ["job_id", "attempt", "rank", "group_name"],
+                   {col: (lambda ex, col=col: ex[col]) for col in ("desc", "ranks")}),
+            list(batch.groups.values()))
+    if batch.statuses:
+        session.execute(insert(WorkerStatusRow.__table__), batch.statuses)
+    if batch.checkpoints:
+        cols = ["attempt", "path", "manifest_sha256", "save_s", "valid", "created_at"]
+        session.execute(
+            upsert(dialect_name, Checkpoint.__table__, ["job_id", "step"],
+                   {col: (lambda ex, col=col: ex[col]) for col in cols}),
+            list(batch.checkpoints.values()))
+    if batch.sdc:
+        session.execute(insert(metadata.tables["sdc_checks"]), batch.sdc)
+    for job_id, attempt, step in batch.restored:
+        session.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt)
+                        .values(restored_step=step))
 
 
 def write_events(session: Session, events: Sequence[events_pb2.Event]) -> None:
-    """Write ``events`` through ``session`` (inside the caller's transaction)."""
-    collectives: list[events_pb2.CollectiveEvent] = []
-    steps: list[dict[str, Any]] = []
-    statuses: list[dict[str, Any]] = []
-    checkpoints: list[dict[str, Any]] = []
-    restored: list[dict[str, Any]] = []
-    groups: dict[tuple, dict[str, Any]] = {}
-    for event in events:
-        kind = event.WhichOneof("kind")
-        if kind == "collective":
-            collectives.append(event.collective)
-        elif kind == "step":
-            ev = event.step
-            steps.append({
-                "job_id": ev.job_id, "attempt": ev.attempt, "rank": ev.rank, "step": ev.step,
-                "loss": ev.loss, "step_time_s": ev.step_time_s,
-                "tokens_per_s": ev.tokens_per_s, "end_ns": ev.end_ns,
-                "grad_norm": ev.grad_norm, "lr": ev.lr, "mfu": ev.mfu, "aux_loss": ev.aux_loss,
-                "imbalanced": any(x.imbalanced for x in ev.expert_load),
-                "expert_load": _dumps([
-                    {"layer": x.layer, "tokens_per_expert": list(x.tokens_per_expert),
-                     "min_share": x.min_share, "max_share": x.max_share, "imbalanced": x.imbalanced}
-                    for x in ev.expert_load
-                ]),
-            })
-        elif kind == "status":
-            ev = event.status
-            statuses.append({
-                "job_id": ev.job_id, "attempt": ev.attempt, "rank": ev.rank,
-                "state": _STATUS_NAMES.Name(ev.state), "time_ns": ev.time_ns, "pid": ev.pid,
-                "hostname": ev.hostname, "restored_step": ev.restored_step,
-                "detail": ev.detail, "phase_s": ev.phase_s,
-            })
-            if ev.state == _RESTORED:
-                restored.append({"j": ev.job_id, "a": ev.attempt, "s": ev.restored_step})
-        elif kind == "checkpoint":
-            ev = event.checkpoint
-            checkpoints.append({
-                "job_id": ev.job_id, "attempt": ev.attempt, "step": ev.step, "path": ev.path,
-                "manifest_sha256": ev.manifest_sha256, "save_s": ev.save_s, "valid": True,
-                "created_at": ev.time_ns / 1e9 if ev.time_ns else time.time(),
-            })
-        elif kind == "group":
-            ev = event.group
-            key = (ev.job_id, ev.attempt, ev.rank, ev.group)
-            groups[key] = {"job_id": ev.job_id, "attempt": ev.attempt, "rank": ev.rank,
-                           "group_name": ev.group, "desc": ev.desc, "ranks": _dumps(sorted(ev.ranks))}
-        # An empty Event (no kind set) carries nothing to store.
+    """``write(session, prepare(events))``."""
+    write(session, prepare(events))
 
-    dialect_name = session.get_bind().dialect.name
-    if collectives:
-        session.execute(_collective_upsert(dialect_name), _merge_collectives(collectives))
-    if steps:
-        session.execute(insert(Step.__table__), steps)
-    if groups:
-        session.execute(_group_upsert(dialect_name), list(groups.values()))
-    if statuses:
-        session.execute(insert(WorkerStatusRow.__table__), statuses)
-    if checkpoints:
-        # Same (job, step) twice in one batch would make PostgreSQL reject the statement.
-        by_key = {(r["job_id"], r["step"]): r for r in checkpoints}
-        session.execute(_checkpoint_upsert(dialect_name), list(by_key.values()))
-    for r in restored:
-        session.execute(
-            update(Attempt)
-            .where(Attempt.job_id == r["j"], Attempt.number == r["a"])
-            .values(restored_step=r["s"])
-        )

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from workers import columns
 from workers.ray_actor import WorkerActor
 
 
@@ -45,7 +46,12 @@ class AgentServer(agent_pb2_grpc.NodeAgentServicer):
     def Report(self, request, context):  # noqa: N802 - gRPC method name
         with self._cond:
             self.reports += 1
-            self.events.extend((request.rank, e) for e in request.events)
+            for e in request.events:
+                if e.WhichOneof("kind") == "collectives":  # the reporter packs collectives
+                    self.events.extend((request.rank, events_pb2.Event(collective=c))
+                                       for c in columns.unpack(e.collectives))
+                else:
+                    self.events.append((request.rank, e))
             cmds = self._pending.pop(request.rank, [])
             self._cond.notify_all()
         return agent_pb2.WorkerReply(commands=cmds)

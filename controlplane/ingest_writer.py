@@ -1,0 +1,187 @@
+"""The store's single ingest writer: group commits of agent batches, acks after commit.
+
+Agent streams (``agent_server``) validate and convert each batch into rows on their own
+receiver threads, then ``put`` it here. One named thread takes everything queued (up to
+``max_group_events``) and commits it in one transaction, then acks each batch on its
+stream. One writer suits SQLite, which has one write lock, and on PostgreSQL it keeps the
+commit rate independent of the number of agents.
+
+Invariants:
+- A batch is acked only after the transaction holding it committed. Items of one stream
+  are committed and acked in the order they were put, so an ack's "everything up to seq"
+  meaning holds; a refused batch is acked with ``rejected`` in its place in that order.
+- ``put`` blocks while ``max_queued_events`` are waiting: the stream then stops reading,
+  and gRPC flow control pushes back on the agent. Nothing is dropped for being slow.
+- A store outage fails the streams whose batches were in the failed transaction (their
+  agents reconnect and resend); later items of a failed stream are skipped, never acked.
+- A batch the store refuses (a constraint or type error) is found by retrying the group
+  one batch at a time, recorded in ``ingest_drops`` and acked as rejected: one bad batch
+  never blocks the others.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from controlplane.errors import UnavailableError
+from controlplane.metrics import ControllerMetrics
+from controlplane.store import Store
+from controlplane.store.ingest import InvalidBatch, PreparedBatch
+from fleet_proto import agent_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Stream(Protocol):
+    """What the writer needs of one agent stream: where to ack, how to fail it."""
+
+    agent_id: str
+    node_name: str
+    failed: bool
+
+    def ack(self, msg: agent_pb2.ControllerMessage) -> None: ...
+
+    def fail(self, reason: str) -> None: ...
+
+
+@dataclass
+class Item:
+    """One agent batch: its rows, or the reason it was refused before reaching the writer."""
+
+    stream: Stream
+    epoch: int
+    seq: int
+    rows: PreparedBatch | None
+    events: int
+    rejected: str = ""
+
+
+class IngestWriter:
+    """One writer thread over a bounded queue of batches. A context manager."""
+
+    def __init__(self, store: Store, metrics: ControllerMetrics, *,
+                 max_queued_events: int = 400_000, max_group_events: int = 50_000,
+                 on_commit: Callable[[list[Item]], None] | None = None) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._max_queued = max_queued_events
+        self._max_group = max_group_events
+        self._on_commit = on_commit
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Item] = collections.deque()
+        self._queued_events = 0
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="fleet-ingest-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, item: Item, timeout_s: float = 1.0) -> bool:
+        """Queue ``item``; False if the queue stayed full for ``timeout_s`` (call again)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue and self._queued_events + item.events > self._max_queued:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing:
+                    return False
+                self._cond.wait(left)
+            if self._closing:
+                return False
+            self._queue.append(item)
+            self._queued_events += item.events
+            self._metrics.queued.set(self._queued_events)
+            self._cond.notify_all()
+            return True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Commit what is queued (bounded), then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> IngestWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the thread -----------------------------------------------------------------------
+
+    def _take(self) -> list[Item]:
+        with self._cond:
+            while not self._queue:
+                if self._closing:
+                    return []
+                self._cond.wait(0.5)
+            group, events = [], 0
+            while self._queue and (not group or events + self._queue[0].events <= self._max_group):
+                item = self._queue.popleft()
+                group.append(item)
+                events += item.events
+            self._queued_events -= events
+            self._metrics.queued.set(self._queued_events)
+            self._cond.notify_all()
+            return group
+
+    def _run(self) -> None:
+        while True:
+            group = self._take()
+            if not group:
+                return
+            try:
+                self._commit(group)
+            except Exception:  # the writer must outlive anything one group does
+                log.exception("ingest writer: group of %d batches failed", len(group))
+                for item in group:
+                    item.stream.fail("the controller failed to store a batch")
+
+    def _commit(self, group: list[Item]) -> None:
+        live = [i for i in group if not i.stream.failed]
+        storable = [i for i in live if i.rows is not None]
+        started = time.perf_counter()
+        try:
+            fresh = self._store.record_batches(
+                [(i.stream.agent_id, i.epoch, i.seq, i.rows) for i in storable])
+        except UnavailableError as exc:
+            self._metrics.errors.labels("store").inc()
+            log.error("ingest: store unavailable (%s); dropping %d agent streams so they resend",
+                      exc, len({id(i.stream) for i in live}))
+            for item in live:
+                item.stream.fail("store unavailable")
+            time.sleep(0.5)  # the agents reconnect with backoff; don't spin on a dead store
+            return
+        except InvalidBatch as exc:
+            if len(storable) > 1:
+                for item in group:  # find the one the store refuses; keep the rest
+                    self._commit([item])
+                return
+            fresh, storable[0].rejected, storable[0].rows = [], str(exc), None
+        self._metrics.commit_s.observe(time.perf_counter() - started)
+        by_item = dict(zip(map(id, storable), fresh))
+        for item in live:
+            if item.rows is None:
+                self._reject(item)
+                continue
+            if by_item[id(item)]:
+                self._metrics.batches.inc()
+                self._metrics.events.inc(item.events)
+            else:
+                self._metrics.duplicates.inc()
+            item.stream.ack(agent_pb2.ControllerMessage(ack=agent_pb2.Ack(epoch=item.epoch, seq=item.seq)))
+        if self._on_commit is not None:
+            self._on_commit(live)
+
+    def _reject(self, item: Item) -> None:
+        self._metrics.errors.labels("invalid").inc()
+        self._metrics.dropped.labels("controller").inc(item.events)
+        log.error("agent %s: batch %d/%d refused and recorded as dropped: %s",
+                  item.stream.agent_id, item.epoch, item.seq, item.rejected)
+        self._store.record_drop(item.stream.agent_id, item.stream.node_name, item.epoch, item.seq,
+                                item.seq, item.events, item.rejected, "controller")
+        item.stream.ack(agent_pb2.ControllerMessage(
+            ack=agent_pb2.Ack(epoch=item.epoch, seq=item.seq, rejected=item.rejected)))
