@@ -118,7 +118,16 @@ def replay_report(store: Store, job_id: str, attempt: int | None = None) -> dict
             {"step": c.step, "attempt": c.attempt, "path": c.path, "valid": c.valid}
             for c in store.checkpoints(job_id)
         ],
+        "events_lost": _losses(store, job, {r["node"] for a in out_attempts for r in a["ranks"]}),
     }
+
+
+def _losses(store: Store, job: Any, nodes: set[str]) -> list[dict[str, Any]]:
+    """Telemetry lost on the job's nodes while it ran: a trace may lack events because of
+    them, so the verdict must be read with them in mind."""
+    end = job.ended_at or float("inf")
+    return [{"node": d.node, "events": d.events, "source": d.source, "reason": d.reason, "at": d.at}
+            for d in store.ingest_drops() if d.node in nodes and job.created_at <= d.at <= end]
 
 
 def _step_timeline(steps: list) -> list[dict[str, Any]]:  # noqa: ANN001 (StepRecord)

@@ -127,7 +127,8 @@ def _replay_job(job_id: str, attempt: int | None, view: _View, perfetto: Path | 
             "source": f"store:{job_id}", "attempt": None, "verdict": "empty", "culprit_ranks": [],
             "findings": []}
         print_json({**top, "job": report["job"], "attempts": report["attempts"],
-                    "incidents": report["incidents"], "checkpoints": report["checkpoints"]})
+                    "incidents": report["incidents"], "checkpoints": report["checkpoints"],
+                    "events_lost": report["events_lost"]})
         return
     _print_job(report, last_steps)
 
@@ -177,6 +178,12 @@ def _print_job(report: dict[str, Any], last_steps: int) -> None:
         f"[bold]{job['id']}[/] {job['name']}: {job['state']}, step {job['steps_completed']}/"
         f"{job['total_steps']}, {job['attempts']} attempt(s). {job['reason']}"
     )
+    lost = report["events_lost"]
+    if lost:
+        console.print(
+            f"[yellow]warning:[/] {sum(d['events'] for d in lost)} events from nodes "
+            f"{sorted({d['node'] for d in lost})} never reached the store while this job ran "
+            f"({lost[-1]['reason']}); a rank may look behind because of it (fleet nodes)")
     for inc in report["incidents"]:
         console.print(
             f"[red]incident[/] attempt {inc['attempt']}: {inc['kind']} rank {inc['rank']} on {inc['node']} "

@@ -4,7 +4,7 @@ controller killed with SIGKILL and restarted, and across repeated connection dro
 
 from __future__ import annotations
 
-import os
+import json
 import select
 import signal
 import socket
@@ -20,9 +20,10 @@ from sqlalchemy import create_engine, text
 
 from agent.uplink import Uplink
 from controlplane.agent_server import AgentRegistry
+from controlplane.cli.main import main
 from controlplane.lifecycle import JobState
 from controlplane.store import Store
-from controlplane.store.ingest import InvalidBatch
+from controlplane.store.ingest import InvalidBatch, prepare
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests import ingest_controller
 from tests.component.conftest import TOKEN, start_server
@@ -108,6 +109,19 @@ def test_completion_wins_over_start_in_any_order_within_and_across_blocks(store:
     assert got == {1: ("completed", 1007), 2: ("completed", 2007), 3: ("failed", 3007)}
 
 
+def test_a_group_commit_applies_batches_in_order_and_skips_repeats(store: Store) -> None:
+    job_id, _ = _job(store)
+    started = prepare([_block([_coll(job_id, 0, 6, "started"), _coll(job_id, 0, 7, "started")])])
+    done = prepare([_block([_coll(job_id, 0, 6)]), *_steps(job_id, 0, 1, 2)])
+    assert store.record_batches([("a", 1, 1, started), ("a", 1, 2, done), ("a", 1, 1, started)]) \
+        == [True, True, False]
+    assert {c.seq: c.state for c in store.collectives(job_id)} == {6: "completed", 7: "started"}
+    assert [s.step for s in store.steps(job_id)] == [1, 2]
+    assert store.record_batches([("a", 1, 2, done), ("b", 1, 1, started)]) == [False, True]
+    assert {c.seq: c.state for c in store.collectives(job_id)} == {6: "completed", 7: "started"}
+    assert store.committed_seq("a", 1) == 2
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda b: b.rank.append(3), "collectives.rank has 3 values"),
     (lambda b: b.op.__setitem__(0, 99), "collectives.op: index 99 outside strings"),
@@ -128,8 +142,10 @@ def test_invalid_blocks_are_refused_whole_and_write_nothing(store: Store, damage
 
 # -- the stream ---------------------------------------------------------------------------
 
-def test_a_refused_batch_is_recorded_as_dropped_and_the_stream_goes_on(store: Store) -> None:
+def test_a_refused_batch_is_recorded_as_dropped_and_the_stream_goes_on(
+        store: Store, store_url: str, capsys: pytest.CaptureFixture) -> None:
     job_id, _ = _job(store)
+    store.record_rank(job_id, 1, 0, "node-r", 1234)
     server, _ = start_server(store, AgentRegistry())
     servicer = server.agent_servicer
     try:
@@ -150,6 +166,16 @@ def test_a_refused_batch_is_recorded_as_dropped_and_the_stream_goes_on(store: St
     assert "collectives.state" in drops[0].reason
     assert servicer.metrics.value("fleet_ingest_errors_total", reason="invalid") == 1
     assert servicer.metrics.value("fleet_ingest_dropped_events_total", source="controller") == 1
+    # visible to the operator: `fleet nodes` and `fleet replay`
+    capsys.readouterr()
+    assert main(["nodes", "--store", store_url, "--json"]) == 0
+    nodes = {n["name"]: n for n in json.loads(capsys.readouterr().out)}
+    assert nodes["node-r"]["events_lost"] == 1 and "collectives.state" in nodes["node-r"]["last_loss"]
+    assert main(["replay", job_id, "--store", store_url, "--json"]) == 0
+    lost = json.loads(capsys.readouterr().out)["events_lost"]
+    assert [(d["node"], d["events"], d["source"]) for d in lost] == [("node-r", 1, "controller")]
+    assert main(["replay", job_id, "--store", store_url]) == 0
+    assert "1 events from nodes ['node-r'] never reached the store" in capsys.readouterr().out
 
 
 def test_large_batches_are_stored_and_oversized_messages_refused_and_counted(store: Store) -> None:

@@ -1,0 +1,46 @@
+"""`fleet nodes`: the nodes in the store, their health, quarantine, and lost events."""
+
+from __future__ import annotations
+
+from controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
+from controlplane.cli.render import err_console, fmt_time, print_json, print_table
+
+
+def nodes(store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt = False) -> None:
+    """List nodes: state, quarantine reason, health, last heard from, and events lost on
+    the way to the store (an agent's spill disk failed, or the controller refused a
+    malformed batch)."""
+    with open_store(store, cluster) as st:
+        records = st.list_nodes()
+        drops = st.ingest_drops()
+    lost: dict[str, list] = {}
+    for d in drops:
+        lost.setdefault(d.node, []).append(d)
+    rows = [
+        {
+            "name": n.name,
+            "state": n.state,
+            "quarantine_reason": n.quarantine_reason,
+            "quarantined_since": n.quarantined_since,
+            "health": n.health,
+            "health_reason": n.health_reason,
+            "hostname": n.hostname,
+            "last_seen": n.last_seen,
+            "events_lost": sum(d.events for d in lost.get(n.name, [])),
+            "last_loss": lost[n.name][-1].reason if n.name in lost else "",
+        }
+        for n in records
+    ]
+    if json_out:
+        print_json(rows)
+        return
+    print_table(
+        None,
+        ["node", "state", "health", "last seen", "events lost", "reason"],
+        [[r["name"], r["state"], r["health"], fmt_time(r["last_seen"]), r["events_lost"],
+          r["quarantine_reason"] or r["health_reason"] or r["last_loss"]] for r in rows],
+    )
+    total = sum(r["events_lost"] for r in rows)
+    if total:
+        err_console.print(f"[yellow]warning:[/] {total} events never reached the store "
+                          "(see the reason column; each loss is a row in ingest_drops)")
