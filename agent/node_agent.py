@@ -5,6 +5,10 @@ channel), forwards their events through one ``Uplink`` stream, and routes contro
 commands to the addressed rank: a command waits in that rank's mailbox until the rank's
 next report collects it. Commands for another attempt than the reporting worker's are
 stale and dropped.
+
+Buffering and backpressure are the uplink's (memory, then a spill folder, then blocking
+the workers' reports with RESOURCE_EXHAUSTED so they keep their events); the spill
+folder defaults to ``<system temp>/fleet-spill-<uid>/<agent_id>/``.
 """
 
 from __future__ import annotations
@@ -13,13 +17,17 @@ import collections
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 
 from agent.host import host_metrics
+from agent.tls import TlsFiles
 from agent.uplink import Uplink
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
 
@@ -27,6 +35,11 @@ log = logging.getLogger(__name__)
 
 #: A rank that has not reported for this long no longer counts as alive.
 WORKER_STALE_S = 5.0
+
+
+def default_spill_dir() -> Path:
+    """Where agents spill when not told: private to this user under the system temp dir."""
+    return Path(tempfile.gettempdir()) / f"fleet-spill-{os.getuid()}"
 
 
 class _Mailboxes:
@@ -87,9 +100,20 @@ class NodeAgent:
         ray_node_id: str = "",
         bind_host: str = "127.0.0.1",
         batch_max_events: int = 2000,
+        batch_max_bytes: int = 1 << 20,
         batch_interval_s: float = 0.2,
         heartbeat_interval_s: float = 1.0,
+        memory_max_bytes: int = 64 << 20,
+        spill_dir: str | Path | None = None,
+        spill_max_bytes: int = 1 << 30,
+        max_message_bytes: int = 16 << 20,
+        tls: TlsFiles | None = None,
+        on_ack: Callable[[int, int], None] | None = None,
     ) -> None:
+        """``spill_dir`` None: ``<system temp>/fleet-spill-<uid>``; the agent spills under
+        ``<spill_dir>/<agent_id>/`` (created, mode 0700). ``tls``: the CA, client
+        certificate and key for mutual TLS to the controller (None: plaintext).
+        ``on_ack(seq, n_events)``: called as each batch is committed (see ``Uplink``)."""
         self.node_name = node_name
         self.agent_id = f"agent-{node_name}"
         self._bind_host = bind_host
@@ -112,8 +136,15 @@ class NodeAgent:
             on_command=self._mailboxes.post,
             heartbeat=self._heartbeat,
             batch_max_events=batch_max_events,
+            batch_max_bytes=batch_max_bytes,
             batch_interval_s=batch_interval_s,
             heartbeat_interval_s=heartbeat_interval_s,
+            memory_max_bytes=memory_max_bytes,
+            spill_dir=spill_dir if spill_dir is not None else default_spill_dir(),
+            spill_max_bytes=spill_max_bytes,
+            max_message_bytes=max_message_bytes,
+            tls=tls,
+            on_ack=on_ack,
         )
 
     def start(self, connect_timeout_s: float = 30.0) -> str:
@@ -150,11 +181,8 @@ class NodeAgent:
         return self._uplink.flush(timeout_s)
 
     def stats(self) -> dict[str, int]:
-        return {
-            "backlog": self._uplink.backlog,
-            "acked_events": self._uplink.acked_events,
-            "reconnects": self._uplink.reconnects,
-        }
+        """The uplink's counters (``Uplink.stats``)."""
+        return self._uplink.stats()
 
     def close(self) -> None:
         """Stop serving workers, flush what is buffered (bounded), close the stream."""

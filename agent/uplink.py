@@ -1,30 +1,99 @@
 """The agent's one bidirectional gRPC stream to the controller.
 
-Outbound: Hello, then event batches and heartbeats. Inbound: Welcome, Acks, Commands.
+Outbound: Hello, then event batches, drop reports and heartbeats. Inbound: Welcome,
+Acks, Commands.
 
-Delivery invariant: an event leaves the agent's memory only after the controller acked
-the batch holding it, i.e. after the store committed it. Batches carry
+Delivery invariant: an event leaves the agent only after the controller acked the batch
+holding it, i.e. after the store committed it, or after the controller rejected that
+batch as malformed (``Ack.rejected``: counted, logged, never resent). Batches carry
 (agent_id, epoch, seq); after a reconnect every unacked batch is sent again, and the
-controller's idempotent ingest drops the ones it already has. Memory is bounded by
-``max_unacked_batches``; past that ``submit`` blocks (backpressure to the workers'
-Report calls) instead of dropping.
+controller's idempotent ingest drops the ones it already has.
+
+Bounds. A batch holds at most ``batch_max_events`` events and ``batch_max_bytes`` of
+them (a single larger event goes alone). Unacked batches stay in memory up to
+``memory_max_bytes`` (plus the batch being filled, under ``batch_max_bytes``); past
+that they are spilled to disk (``agent.spool``) up to
+``spill_max_bytes``; past both, ``submit`` blocks (bounded) so the workers keep their
+events: backpressure, never a drop for being slow. The stream itself is paced by gRPC
+flow control: the outbound generator is pulled for the next message only once the
+previous one was written, and only then sends (or, for a partial batch older than
+``batch_interval_s``, cuts) the next batch. Full batches are cut as they fill, so the
+memory/spill bounds hold while the controller is away.
+
+Loss is explicit: a batch whose spill write fails (ENOSPC, EFBIG, EIO...), or whose
+spill file cannot be read back, and an event larger than the controller's message
+limit, are dropped, counted, logged once per burst, and reported to the controller in a
+``DropReport`` that stays queued until written to a stream.
+
+Events are serialized once, in ``submit``; a batch is kept (and spilled) as the bytes of
+its ``EventBatch``, built by concatenation (protobuf's encoding of a repeated message
+field is the concatenation of its elements), and sent without re-encoding.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
-from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from agent.spool import Spool
+from agent.tls import TlsFiles, channel_credentials
+from fleet_proto import agent_pb2, events_pb2
 
 log = logging.getLogger(__name__)
 
 TOKEN_METADATA_KEY = "x-fleet-token"
+
+_CONNECT_METHOD = "/fleet.v1.AgentService/Connect"
+_AGENT_MSG_BATCH_TAG = b"\x12"   # AgentMessage.batch: field 2, length-delimited
+_EVENT_BATCH_EVENTS_TAG = b"\x22"  # EventBatch.events: field 4, length-delimited
+#: Room left in a gRPC message for the batch's header and framing, bytes.
+MESSAGE_HEADROOM_BYTES = 64 * 1024
+
+#: Drops closer together than this form one burst, logged once.
+DROP_BURST_GAP_S = 10.0
+
+_HEARTBEAT = object()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _length_delimited(tag: bytes, data: bytes) -> bytes:
+    return tag + _varint(len(data)) + data
+
+
+@dataclass
+class _Batch:
+    """One unacked batch: its EventBatch bytes in memory, or the file they were spilled to."""
+
+    seq: int
+    n_events: int
+    size: int
+    data: bytes | None = None
+    path: Path | None = None
+
+
+class _Conn:
+    """Per-stream state of the outbound generator."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.cursor = 0             # highest seq sent on this stream
+        self.next_heartbeat = 0.0
 
 
 class Uplink:
@@ -39,32 +108,67 @@ class Uplink:
         on_command: Callable[[events_pb2.Command], None],
         heartbeat: Callable[[], agent_pb2.Heartbeat],
         batch_max_events: int = 2000,
+        batch_max_bytes: int = 1 << 20,
         batch_interval_s: float = 0.2,
         heartbeat_interval_s: float = 1.0,
-        max_unacked_batches: int = 1024,
+        memory_max_bytes: int = 64 << 20,
+        spill_dir: str | Path | None = None,
+        spill_max_bytes: int = 1 << 30,
+        max_message_bytes: int = 16 << 20,
         reconnect_max_s: float = 2.0,
+        tls: TlsFiles | None = None,
+        on_ack: Callable[[int, int], None] | None = None,
     ) -> None:
+        """``spill_dir`` None: no spill, ``submit`` blocks once ``memory_max_bytes`` is
+        unacked. ``on_ack(seq, n_events)`` runs on the stream's thread after each commit."""
+        if batch_max_events < 1 or batch_max_bytes < 1:
+            raise ValueError("batch_max_events and batch_max_bytes must be positive")
+        if max_message_bytes <= MESSAGE_HEADROOM_BYTES:
+            raise ValueError(f"max_message_bytes must exceed {MESSAGE_HEADROOM_BYTES}")
         self._address = controller_address
         self._token = token
         self._hello = hello
+        self._hello_msg = agent_pb2.AgentMessage(hello=hello).SerializeToString()
         self._on_command = on_command
         self._heartbeat = heartbeat
-        self._batch_max = batch_max_events
+        self._batch_max_events = batch_max_events
+        self._batch_max_bytes = batch_max_bytes
         self._batch_interval_s = batch_interval_s
         self._heartbeat_interval_s = heartbeat_interval_s
-        self._max_unacked = max_unacked_batches
+        self._memory_max = memory_max_bytes
+        self._spill_max = spill_max_bytes if spill_dir is not None else 0
+        self._max_event_bytes = max_message_bytes - MESSAGE_HEADROOM_BYTES
         self._reconnect_max_s = reconnect_max_s
+        self._credentials = channel_credentials(tls) if tls is not None else None
+        self._on_ack = on_ack
+        self._spool = Spool(spill_dir, hello.agent_id, hello.epoch) if spill_dir is not None else None
 
         self._cond = threading.Condition()
-        self._pending: list[events_pb2.Event] = []          # not yet in a batch
-        self._unacked: collections.OrderedDict[int, agent_pb2.EventBatch] = collections.OrderedDict()
+        # events not yet in a batch, each already encoded as an EventBatch.events field
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._pending_since = 0.0
+        self._unacked: collections.OrderedDict[int, _Batch] = collections.OrderedDict()
+        self._unacked_events = 0
+        self._mem_bytes = 0
+        self._spill_bytes = 0
+        self._spilled = 0
         self._seq = 0
+        # DropReports not yet written to a stream; the head one may be in flight
+        self._drops: collections.deque[agent_pb2.DropReport] = collections.deque()
+        self._drop_in_flight: agent_pb2.DropReport | None = None
+        self._last_drop_at = -DROP_BURST_GAP_S   # monotonic time of the latest drop
+        self._drops_unlogged = 0
+        self._flushing = 0
         self._closing = False
         self._stopped = threading.Event()
-        self._connected = threading.Event()
         self._welcomed = threading.Event()
+        self._call: grpc.Call | None = None
         self.reconnects = 0
         self.acked_events = 0
+        self.dropped_events = 0
+        self.dropped_batches = 0
+        self.rejected_events = 0
         self._thread = threading.Thread(
             target=self._run, name=f"fleet-agent-uplink-{hello.node_name}", daemon=True
         )
@@ -72,19 +176,46 @@ class Uplink:
     # -- public ---------------------------------------------------------------------
 
     def start(self) -> Uplink:
+        if self._spool is not None:
+            self._report_stale_spill()
         self._thread.start()
         return self
 
     def submit(self, events: list[events_pb2.Event], timeout_s: float = 30.0) -> None:
-        """Queue events for the controller. Blocks (bounded) while too much is unacked."""
+        """Queue events for the controller.
+
+        Blocks while memory and spill are both full; TimeoutError after ``timeout_s``
+        (or once closed): then none of ``events`` was taken and the caller keeps them.
+        """
+        fields = [_length_delimited(_EVENT_BATCH_EVENTS_TAG, e.SerializeToString()) for e in events]
+        too_big = [len(f) for f in fields if len(f) > self._max_event_bytes]
+        if too_big:
+            fields = [f for f in fields if len(f) <= self._max_event_bytes]
+        incoming = sum(len(f) for f in fields)
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while len(self._unacked) >= self._max_unacked and not self._closing:
+            while not self._room_for(incoming):
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("controller is not acknowledging batches")
+                if left <= 0 or self._closing:
+                    raise TimeoutError(
+                        "uplink is closed" if self._closing else
+                        "controller is not acknowledging batches (memory and spill are full)"
+                    )
                 self._cond.wait(left)
-            self._pending.extend(events)
+            if self._closing:
+                raise TimeoutError("uplink is closed")
+            if too_big:
+                self._drop(0, 0, len(too_big), f"{len(too_big)} event(s) of up to {max(too_big)} bytes exceed "
+                           f"the controller's message limit ({self._max_event_bytes} bytes per event)")
+            if not fields:
+                return
+            if not self._pending:
+                self._pending_since = time.monotonic()
+            self._pending.extend(fields)
+            self._pending_bytes += incoming
+            while (len(self._pending) >= self._batch_max_events
+                   or self._pending_bytes >= self._batch_max_bytes):
+                self._cut()
             self._cond.notify_all()
 
     def wait_welcomed(self, timeout_s: float) -> bool:
@@ -92,56 +223,205 @@ class Uplink:
         return self._welcomed.wait(timeout_s)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until everything submitted so far is committed by the controller."""
+        """Wait until everything submitted so far is committed (or rejected, or dropped
+        and its DropReport written to the stream)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            self._flushing += 1
             self._cond.notify_all()
-            while self._pending or self._unacked:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.05))
+            try:
+                while self._pending or self._unacked or self._drops:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(min(left, 0.05))
+            finally:
+                self._flushing -= 1
         return True
 
     @property
     def backlog(self) -> int:
         """Events not yet acknowledged by the controller."""
         with self._cond:
-            return len(self._pending) + sum(len(b.events) for b in self._unacked.values())
+            return len(self._pending) + self._unacked_events
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: events acked, dropped (spill failed, too large), rejected
+        by the controller; what is buffered now (events; batches and bytes on disk)."""
+        with self._cond:
+            return {
+                "acked_events": self.acked_events,
+                "backlog": len(self._pending) + self._unacked_events,
+                "memory_bytes": self._mem_bytes + self._pending_bytes,
+                "spilled_batches": self._spilled,
+                "spilled_bytes": self._spill_bytes,
+                "dropped_events": self.dropped_events,
+                "dropped_batches": self.dropped_batches,
+                "rejected_events": self.rejected_events,
+                "reconnects": self.reconnects,
+            }
 
     def close(self, flush_timeout_s: float = 10.0) -> None:
-        """Flush (bounded), then stop the stream and its thread."""
+        """Flush (bounded), then stop the stream and its thread. What is still unacked
+        then is lost (logged); spill files are deleted."""
         if self._thread.is_alive():
             self.flush(flush_timeout_s)
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         self._stopped.set()
-        call = getattr(self, "_call", None)
+        call = self._call
         if call is not None:
             call.cancel()
         self._thread.join(timeout=5)
+        with self._cond:
+            lost = len(self._pending) + self._unacked_events
+            if lost or self._drops:
+                log.error("closing with %d event(s) not acknowledged by the controller and %d drop "
+                          "report(s) unsent; they are lost", lost, len(self._drops))
+            self._unacked.clear()
+            self._pending.clear()
+            self._mem_bytes = self._spill_bytes = self._pending_bytes = self._spilled = 0
+            if self._spool is not None:
+                self._spool.close()
+
+    def __enter__(self) -> Uplink:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- buffering (all under self._cond) ---------------------------------------------
+
+    def _room_for(self, incoming: int) -> bool:
+        queued = self._pending_bytes + incoming
+        if self._mem_bytes + queued <= self._memory_max or self._spill_bytes + queued <= self._spill_max:
+            return True
+        # alone, one oversized submission is taken (else it would wait forever)
+        return not self._pending and not self._unacked
+
+    def _cut(self) -> _Batch | None:
+        """Make the next batch of pending events; keep it in memory or on disk.
+
+        None when its spill write failed (the batch is then dropped and reported)."""
+        n, size = 0, 0
+        for f in self._pending:
+            if n >= self._batch_max_events or (n and size + len(f) > self._batch_max_bytes):
+                break
+            n += 1
+            size += len(f)
+        fields = self._pending[:n]
+        del self._pending[:n]
+        self._pending_bytes -= size
+        if self._pending:
+            self._pending_since = time.monotonic()
+        self._seq += 1
+        header = agent_pb2.EventBatch(
+            agent_id=self._hello.agent_id, epoch=self._hello.epoch, seq=self._seq
+        ).SerializeToString()
+        data = header + b"".join(fields)
+        batch = _Batch(seq=self._seq, n_events=n, size=len(data))
+        fits_memory = self._mem_bytes + batch.size <= self._memory_max
+        fits_spill = self._spill_bytes + batch.size <= self._spill_max
+        if fits_memory or not fits_spill:
+            batch.data = data
+            self._mem_bytes += batch.size
+        else:
+            assert self._spool is not None  # fits_spill implies a spill folder
+            try:
+                batch.path = self._spool.write(batch.seq, n, data)
+            except OSError as exc:
+                self._drop(batch.seq, batch.seq, n, f"spill write failed: {_oserror_text(exc)}")
+                return None
+            self._spill_bytes += batch.size
+            self._spilled += 1
+        self._unacked[batch.seq] = batch
+        self._unacked_events += n
+        return batch
+
+    def _forget(self, batch: _Batch) -> None:
+        """Release one batch's memory or spill file (it left ``_unacked``)."""
+        self._unacked_events -= batch.n_events
+        if batch.path is not None:
+            assert self._spool is not None
+            self._spool.remove(batch.path)
+            self._spill_bytes -= batch.size
+            self._spilled -= 1
+        else:
+            self._mem_bytes -= batch.size
+
+    def _drop(self, first_seq: int, last_seq: int, n_events: int, reason: str) -> None:
+        """Count lost events, log the first of a burst, queue (or extend) a DropReport."""
+        self.dropped_events += n_events
+        self.dropped_batches += 1 if first_seq else 0
+        now = time.monotonic()
+        if now - self._last_drop_at > DROP_BURST_GAP_S:
+            earlier = f" ({self._drops_unlogged} more drop(s) since the last message)" if self._drops_unlogged else ""
+            log.error("dropping %d event(s) (batch seq %d): %s%s; the drops that follow within %.0f s are "
+                      "counted in stats() and reported to the controller, not logged",
+                      n_events, first_seq, reason, earlier, DROP_BURST_GAP_S)
+            self._drops_unlogged = 0
+        else:
+            self._drops_unlogged += 1
+        self._last_drop_at = now
+        last = self._drops[-1] if self._drops else None
+        if (last is not None and last is not self._drop_in_flight and first_seq
+                and last.last_seq + 1 == first_seq and last.reason == reason):
+            last.last_seq = last_seq
+            last.events += n_events
+        else:
+            self._drops.append(agent_pb2.DropReport(
+                agent_id=self._hello.agent_id, epoch=self._hello.epoch, first_seq=first_seq,
+                last_seq=last_seq, events=n_events, reason=reason, time_ns=time.time_ns(),
+            ))
+        self._cond.notify_all()
+
+    def _report_stale_spill(self) -> None:
+        assert self._spool is not None
+        for s in self._spool.take_stale():
+            log.warning("found %d batch(es) (%d events) spilled by an earlier run of %s (epoch %d) and "
+                        "never acknowledged; they cannot be resent and are reported as dropped",
+                        s.batches, s.events, self._hello.agent_id, s.epoch)
+            with self._cond:
+                self._drops.append(agent_pb2.DropReport(
+                    agent_id=self._hello.agent_id, epoch=s.epoch, first_seq=s.first_seq,
+                    last_seq=s.last_seq, events=s.events, time_ns=time.time_ns(),
+                    reason="agent restarted: batches it had spilled were never acknowledged and "
+                    "are not resent (some may have been committed without an ack)",
+                ))
 
     # -- stream ---------------------------------------------------------------------
+
+    def _channel(self) -> grpc.Channel:
+        if self._credentials is not None:
+            return grpc.secure_channel(self._address, self._credentials)
+        return grpc.insecure_channel(self._address)
 
     def _run(self) -> None:
         backoff = 0.1
         while not self._stopped.is_set():
             try:
-                with grpc.insecure_channel(self._address) as channel:
-                    stub = agent_pb2_grpc.AgentServiceStub(channel)
-                    conn_done = threading.Event()
-                    self._call = stub.Connect(
-                        self._outbound(conn_done),
-                        metadata=((TOKEN_METADATA_KEY, self._token),),
+                with self._channel() as channel:
+                    connect = channel.stream_stream(
+                        _CONNECT_METHOD,
+                        request_serializer=None,  # the generator yields encoded AgentMessages
+                        response_deserializer=agent_pb2.ControllerMessage.FromString,
+                    )
+                    conn = _Conn()
+                    with self._cond:
+                        # an unconfirmed DropReport of an earlier stream is sent again
+                        self._drop_in_flight = None
+                    self._call = connect(
+                        self._outbound(conn), metadata=((TOKEN_METADATA_KEY, self._token),)
                     )
                     try:
                         for msg in self._call:
                             backoff = 0.1
                             self._inbound(msg)
                     finally:
-                        conn_done.set()
-                        self._connected.clear()
+                        with self._cond:
+                            conn.done.set()
+                            self._cond.notify_all()
             except grpc.RpcError as exc:
                 if self._stopped.is_set():
                     break
@@ -149,60 +429,141 @@ class Uplink:
                 if code == grpc.StatusCode.UNAUTHENTICATED:
                     log.error("controller refused this agent: %s", exc.details())
                 else:
-                    log.warning("stream to controller broke (%s); reconnecting", code)
+                    details = exc.details() if hasattr(exc, "details") else ""
+                    log.warning("stream to controller broke (%s: %s); reconnecting", code, details)
             except Exception:  # the uplink thread must never die silently
                 log.exception("uplink error; reconnecting")
             if self._stopped.wait(backoff):
                 break
             backoff = min(backoff * 2, self._reconnect_max_s)
-            self.reconnects += 1
+            with self._cond:
+                self.reconnects += 1
 
-    def _outbound(self, conn_done: threading.Event) -> Iterator[agent_pb2.AgentMessage]:
-        yield agent_pb2.AgentMessage(hello=self._hello)
-        with self._cond:
-            resend = list(self._unacked.values())
-        for batch in resend:
-            yield agent_pb2.AgentMessage(batch=batch)
-        self._connected.set()
-        next_heartbeat = time.monotonic()
-        while not conn_done.is_set() and not self._stopped.is_set():
-            now = time.monotonic()
-            if now >= next_heartbeat:
-                next_heartbeat = now + self._heartbeat_interval_s
-                yield agent_pb2.AgentMessage(heartbeat=self._heartbeat())
-            batch = self._cut_batch(timeout_s=min(self._batch_interval_s, next_heartbeat - now))
-            if batch is not None:
-                yield agent_pb2.AgentMessage(batch=batch)
+    def _outbound(self, conn: _Conn) -> Iterator[bytes]:
+        yield self._hello_msg
+        while True:
+            item = self._next_out(conn)
+            if item is None:
+                return
+            if item is _HEARTBEAT:
+                yield agent_pb2.AgentMessage(heartbeat=self._heartbeat()).SerializeToString()
+            elif isinstance(item, bytes):
+                yield item
+            else:
+                assert isinstance(item, _Batch) and item.path is not None
+                try:
+                    data = Spool.read(item.path)
+                except OSError as exc:
+                    self._spill_lost(item, exc)
+                    continue
+                yield _length_delimited(_AGENT_MSG_BATCH_TAG, data)
 
-    def _cut_batch(self, timeout_s: float) -> agent_pb2.EventBatch | None:
-        """Wait up to timeout_s for events; return the next batch, or None."""
+    def _next_out(self, conn: _Conn) -> object | None:
+        """The next message for this stream: encoded bytes, a spilled _Batch to read,
+        _HEARTBEAT, or None once the stream is over. Waits (bounded) for one."""
         with self._cond:
-            if len(self._pending) < self._batch_max and not self._closing:
-                self._cond.wait_for(
-                    lambda: len(self._pending) >= self._batch_max or self._closing,
-                    timeout=max(timeout_s, 0.0),
-                )
-            if not self._pending or len(self._unacked) >= self._max_unacked:
+            if conn.done.is_set() or self._stopped.is_set():
                 return None
-            events, self._pending = self._pending[: self._batch_max], self._pending[self._batch_max :]
-            self._seq += 1
-            batch = agent_pb2.EventBatch(
-                agent_id=self._hello.agent_id, epoch=self._hello.epoch, seq=self._seq, events=events
-            )
-            self._unacked[self._seq] = batch
-            return batch
+            if self._drop_in_flight is not None:
+                # gRPC pulls the next message only after the previous one was written. A
+                # report whose stream broke before that is sent again, so the controller
+                # may see it twice; (agent_id, epoch, first_seq) identifies it.
+                if self._drops and self._drops[0] is self._drop_in_flight:
+                    self._drops.popleft()
+                self._drop_in_flight = None
+                self._cond.notify_all()
+            while True:
+                if conn.done.is_set() or self._stopped.is_set():
+                    return None
+                if self._drops:
+                    self._drop_in_flight = self._drops[0]
+                    return agent_pb2.AgentMessage(drop=self._drop_in_flight).SerializeToString()
+                now = time.monotonic()
+                if now >= conn.next_heartbeat:
+                    conn.next_heartbeat = now + self._heartbeat_interval_s
+                    return _HEARTBEAT
+                batch = self._next_unacked(conn.cursor)
+                if batch is None and self._pending and (
+                    self._flushing or self._closing or now - self._pending_since >= self._batch_interval_s
+                ):
+                    batch = self._cut()
+                    if batch is None:
+                        continue  # dropped; its DropReport goes first
+                if batch is not None:
+                    conn.cursor = batch.seq
+                    if batch.data is None:
+                        return batch
+                    return _length_delimited(_AGENT_MSG_BATCH_TAG, batch.data)
+                wait = conn.next_heartbeat - now
+                if self._pending:
+                    wait = min(wait, self._pending_since + self._batch_interval_s - now)
+                self._cond.wait(max(wait, 0.001))
+
+    def _next_unacked(self, cursor: int) -> _Batch | None:
+        """The unacked batch with the lowest seq above ``cursor``."""
+        if not self._unacked:
+            return None
+        seq = max(cursor + 1, next(iter(self._unacked)))
+        while seq <= self._seq:
+            batch = self._unacked.get(seq)
+            if batch is not None:
+                return batch
+            seq += 1
+        return None
+
+    def _spill_lost(self, batch: _Batch, exc: OSError) -> None:
+        with self._cond:
+            if self._unacked.get(batch.seq) is not batch:
+                return  # acked while we read it
+            del self._unacked[batch.seq]
+            self._forget(batch)
+            self._drop(batch.seq, batch.seq, batch.n_events, f"spill read failed: {_oserror_text(exc)}")
 
     def _inbound(self, msg: agent_pb2.ControllerMessage) -> None:
         kind = msg.WhichOneof("msg")
         if kind == "ack":
             if msg.ack.epoch != self._hello.epoch:
                 return
-            with self._cond:
-                while self._unacked and next(iter(self._unacked)) <= msg.ack.seq:
-                    _, batch = self._unacked.popitem(last=False)
-                    self.acked_events += len(batch.events)
-                self._cond.notify_all()
+            if msg.ack.rejected:
+                self._rejected(msg.ack.seq, msg.ack.rejected)
+            else:
+                self._acked_through(msg.ack.seq)
         elif kind == "command":
             self._on_command(msg.command)
         elif kind == "welcome":
+            # batches the controller committed before this stream need no resend
+            self._acked_through(msg.welcome.committed_seq)
             self._welcomed.set()
+
+    def _acked_through(self, seq: int) -> None:
+        acked: list[tuple[int, int]] = []
+        with self._cond:
+            while self._unacked and next(iter(self._unacked)) <= seq:
+                _, batch = self._unacked.popitem(last=False)
+                self._forget(batch)
+                self.acked_events += batch.n_events
+                acked.append((batch.seq, batch.n_events))
+            self._cond.notify_all()
+        if self._on_ack is not None:
+            for s, n in acked:
+                try:
+                    self._on_ack(s, n)
+                except Exception:
+                    log.exception("on_ack hook failed")
+
+    def _rejected(self, seq: int, reason: str) -> None:
+        with self._cond:
+            batch = self._unacked.pop(seq, None)
+            if batch is None:
+                return
+            self._forget(batch)
+            self.rejected_events += batch.n_events
+            self._cond.notify_all()
+        log.error("controller rejected batch %d (%d events) as malformed: %s; it is not resent",
+                  seq, batch.n_events, reason)
+
+
+def _oserror_text(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "")
+    text = exc.strerror or str(exc)
+    return f"{name} ({text})" if name else text

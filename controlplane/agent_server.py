@@ -139,7 +139,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self.writer = IngestWriter(store, self.metrics)
 
     def close(self) -> None:
+        """Commit what is queued, stop the writer and the metrics endpoint, if served."""
         self.writer.close()
+        self.metrics.close()
 
     def _refuse(self, context: grpc.ServicerContext, reason: str, code: grpc.StatusCode,
                 detail: str) -> None:

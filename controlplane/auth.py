@@ -3,7 +3,8 @@
 ``fleet up`` generates a random token, writes it to ``<state_dir>/token`` with mode
 0600, and hands it to its agents; every gRPC call carries it as ``x-fleet-token``
 metadata. ``<state_dir>/controller.json`` (also 0600) tells other CLI commands where the
-running controller listens and which job it runs.
+running controller listens and which job it runs, and, when the controller uses mutual
+TLS, which CA and client certificate/key files the CLI connects with.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from agent.tls import TlsFiles
 from controlplane.errors import UnavailableError
 
 TOKEN_METADATA_KEY = "x-fleet-token"
@@ -46,6 +48,15 @@ class ControllerInfo:
     token: str
     job_id: str
     pid: int
+    ca_cert: str = ""       # mutual TLS files for clients; all "" when plaintext
+    client_cert: str = ""
+    client_key: str = ""
+
+    def tls_files(self) -> TlsFiles | None:
+        """The client side's TLS files, or None when the controller talks plaintext."""
+        if not self.ca_cert:
+            return None
+        return TlsFiles(ca_cert=Path(self.ca_cert), cert=Path(self.client_cert), key=Path(self.client_key))
 
 
 def write_controller_info(state_dir: Path, info: ControllerInfo) -> Path:

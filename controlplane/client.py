@@ -1,7 +1,8 @@
 """Client SDK for a running controller's ControlService (what the CLI and tests call).
 
 Finds the controller through ``<state_dir>/controller.json`` unless given an address
-and token; gRPC errors become ``FleetError``s with the server's message.
+and token (and, for a controller with mutual TLS, the client's ``TlsFiles``, which
+controller.json also names); gRPC errors become ``FleetError``s with the server's message.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from agent.tls import TlsFileError, TlsFiles, channel_credentials
 from controlplane import auth
 from controlplane.errors import (
     AuthError,
@@ -34,17 +36,24 @@ _CODES: dict[grpc.StatusCode, type[FleetError]] = {
 class ControlClient:
     """A connection to one controller; a context manager."""
 
-    def __init__(self, address: str, token: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, token: str, timeout_s: float = 10.0, tls: TlsFiles | None = None) -> None:
         self.address = address
         self._metadata = ((auth.TOKEN_METADATA_KEY, token),)
         self._timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
+        if tls is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            try:
+                credentials = channel_credentials(tls)
+            except TlsFileError as exc:
+                raise ConfigError(str(exc)) from None
+            self._channel = grpc.secure_channel(address, credentials)
         self._stub = control_pb2_grpc.ControlServiceStub(self._channel)
 
     @classmethod
     def from_state_dir(cls, state_dir: str | Path, address: str | None = None) -> ControlClient:
         info = auth.read_controller_info(Path(state_dir))
-        return cls(address or info.address, info.token)
+        return cls(address or info.address, info.token, tls=info.tls_files())
 
     def _call(self, method, request):  # noqa: ANN001
         try:

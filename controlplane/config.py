@@ -6,7 +6,12 @@ is checked against this schema by a test). A bad file raises ``ConfigError`` nam
 file, the dotted key and, where YAML tells us, the line.
 
 Ordering rules checked at construction:
-heartbeat_interval_s < heartbeat_timeout_s < job.pg_timeout_s.
+heartbeat_interval_s < heartbeat_timeout_s < job.pg_timeout_s;
+agent.batch_max_bytes <= agent.memory_max_bytes, and
+agent.batch_max_bytes + 64 KiB <= controller.max_message_bytes.
+
+Relative paths (store, checkpoints, state, spill, TLS files) are relative to the working
+directory. TLS files must exist when the file is parsed; they are kept as absolute paths.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agent.tls import TlsFiles
+from agent.uplink import MESSAGE_HEADROOM_BYTES
 from controlplane.errors import ConfigError
 from workers.spec import PRESETS, ModelArgs, TrainArgs
 
@@ -45,6 +52,60 @@ class RayConfig(_Section):
     )
 
 
+class TlsConfig(_Section):
+    """Mutual TLS between the agents/CLI and the controller: all five files, or none (plaintext)."""
+
+    ca_cert: Path | None = Field(
+        None, description="PEM CA certificate that signed the server and client certificates "
+        "(both sides trust only it). Unset with the others: plaintext, for loopback only. "
+        "Relative paths (here and below) are relative to the working directory.",
+    )
+    server_cert: Path | None = Field(
+        None, description="PEM certificate the controller presents; its SAN must name the "
+        "controller's address as the agents dial it (e.g. IP:127.0.0.1).",
+    )
+    server_key: Path | None = Field(None, description="PEM private key of server_cert.")
+    client_cert: Path | None = Field(
+        None, description="PEM certificate node agents and the CLI present to the controller.",
+    )
+    client_key: Path | None = Field(None, description="PEM private key of client_cert.")
+
+    @field_validator("*")
+    @classmethod
+    def _readable_file(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
+        try:
+            with open(value, "rb"):
+                pass
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read {value} ({getattr(exc, 'strerror', None) or exc})") from None
+        return Path(value).resolve()
+
+    @model_validator(mode="after")
+    def _all_or_none(self) -> TlsConfig:
+        missing = [name for name, value in self if value is None]
+        if missing and len(missing) != len(type(self).model_fields):
+            raise ValueError(f"TLS needs all five files; missing: {', '.join(missing)}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca_cert is not None
+
+    def server_files(self) -> TlsFiles | None:
+        """What the controller's server presents and verifies; None when TLS is off."""
+        if self.ca_cert is None or self.server_cert is None or self.server_key is None:
+            return None
+        return TlsFiles(ca_cert=self.ca_cert, cert=self.server_cert, key=self.server_key)
+
+    def client_files(self) -> TlsFiles | None:
+        """What agents and the CLI present and trust; None when TLS is off."""
+        if self.ca_cert is None or self.client_cert is None or self.client_key is None:
+            return None
+        return TlsFiles(ca_cert=self.ca_cert, cert=self.client_cert, key=self.client_key)
+
+
 class ControllerConfig(_Section):
     """The controller's gRPC endpoint and liveness timing."""
 
@@ -61,6 +122,17 @@ class ControllerConfig(_Section):
     agent_start_timeout_s: float = Field(
         60.0, gt=0, le=3600, description="Seconds to wait for every node agent to connect."
     )
+    max_message_bytes: int = Field(
+        16 << 20, ge=1 << 20, le=(1 << 31) - 1,
+        description="Largest gRPC message the controller accepts, bytes. Must exceed "
+        "agent.batch_max_bytes by 64 KiB; a single event larger than this minus 64 KiB is "
+        "dropped by its agent (and reported).",
+    )
+    metrics_port: int = Field(
+        0, ge=0, le=65535,
+        description="Port of the controller's Prometheus /metrics endpoint on `host` (0 = none).",
+    )
+    tls: TlsConfig = Field(default_factory=TlsConfig, description="Mutual TLS.")
 
 
 class StoreConfig(_Section):
@@ -78,8 +150,27 @@ class AgentConfig(_Section):
     batch_max_events: int = Field(
         2000, ge=1, le=1_000_000, description="Most events in one batch to the controller."
     )
+    batch_max_bytes: int = Field(
+        1 << 20, ge=1024, le=1 << 30,
+        description="Most serialized bytes of events in one batch (a larger single event goes alone).",
+    )
     batch_interval_s: float = Field(
         0.2, gt=0, le=60, description="Longest an event waits on the agent before being sent."
+    )
+    memory_max_bytes: int = Field(
+        64 << 20, ge=64 << 10, le=1 << 40,
+        description="Unacknowledged batches an agent keeps in memory, bytes; beyond that it "
+        "spills them to disk.",
+    )
+    spill_max_bytes: int = Field(
+        1 << 30, ge=0, le=1 << 50,
+        description="Unacknowledged batches an agent spills to disk, bytes (0 = never spill). Past "
+        "memory and spill, workers' reports block: backpressure, never loss. A spill write that "
+        "fails (disk full or broken) drops that batch and reports the loss to the controller.",
+    )
+    spill_dir: str = Field(
+        "", description="Folder agents spill to, one subfolder per agent (empty: `<state_dir>/spill`). "
+        "Spilled batches do not survive an agent restart; a restarted agent reports them as dropped.",
     )
     report_interval_s: float = Field(
         0.5, gt=0, le=10,
@@ -90,6 +181,16 @@ class AgentConfig(_Section):
         0.5, gt=0, le=60,
         description="Seconds between reads of a worker's native flight-recorder ring (events lag at most this).",
     )
+
+
+    @model_validator(mode="after")
+    def _batch_fits_memory(self) -> AgentConfig:
+        if self.batch_max_bytes > self.memory_max_bytes:
+            raise ValueError(
+                f"batch_max_bytes ({self.batch_max_bytes}) must be <= memory_max_bytes "
+                f"({self.memory_max_bytes})"
+            )
+        return self
 
 
 class ModelConfig(_Section):
@@ -262,12 +363,22 @@ class ClusterConfig(_Section):
             )
         if not c.heartbeat_timeout_s < self.job.pg_timeout_s:
             raise ValueError("controller.heartbeat_timeout_s must be < job.pg_timeout_s")
+        if self.agent.batch_max_bytes + MESSAGE_HEADROOM_BYTES > c.max_message_bytes:
+            raise ValueError(
+                f"controller.max_message_bytes ({c.max_message_bytes}) must exceed agent.batch_max_bytes "
+                f"({self.agent.batch_max_bytes}) by at least {MESSAGE_HEADROOM_BYTES} bytes of headroom"
+            )
         if self.ray.address is None and self.job.nodes > self.ray.nodes:
             raise ValueError(
                 f"job.nodes ({self.job.nodes}) exceeds the local cluster's ray.nodes "
                 f"({self.ray.nodes})"
             )
         return self
+
+
+    def agent_spill_dir(self) -> Path:
+        """Absolute folder agents spill to (``agent.spill_dir``, else ``<state_dir>/spill``)."""
+        return Path(self.agent.spill_dir or Path(self.state_dir) / "spill").resolve()
 
 
 def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:

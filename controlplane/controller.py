@@ -191,11 +191,19 @@ class Controller:
                 ControlServicer(self, self._token),
                 host=cfg.controller.host,
                 port=cfg.controller.port,
+                max_message_bytes=cfg.controller.max_message_bytes,
+                tls=cfg.controller.tls.server_files(),
             ).start()
             self.address = server.address
-            auth.write_controller_info(
-                self._state_dir, auth.ControllerInfo(self.address, self._token, self.job_id, os.getpid())
-            )
+            if cfg.controller.metrics_port:
+                port = server.agent_servicer.metrics.serve(cfg.controller.host, cfg.controller.metrics_port)
+                self._progress(f"metrics on http://{cfg.controller.host}:{port}/metrics")
+            tls = cfg.controller.tls
+            auth.write_controller_info(self._state_dir, auth.ControllerInfo(
+                self.address, self._token, self.job_id, os.getpid(),
+                ca_cert=str(tls.ca_cert or ""), client_cert=str(tls.client_cert or ""),
+                client_key=str(tls.client_key or ""),
+            ))
             self.timings_s["controller_start_s"] = time.monotonic() - t
             if len(nodes) < cfg.job.nodes:
                 raise UnavailableError(
@@ -207,7 +215,7 @@ class Controller:
 
             self._progress("starting agents")
             t = time.monotonic()
-            agents.start(nodes, self.address, self._token, cfg.agent, cfg.controller)
+            agents.start(nodes, self.address, self._token, cfg.agent, cfg.controller, cfg.agent_spill_dir())
             missing = self._registry.wait_for({n.name for n in nodes}, cfg.controller.agent_start_timeout_s)
             if missing:
                 raise UnavailableError(f"no agent connected from node(s) {sorted(missing)}")

@@ -1,6 +1,12 @@
 """The controller's gRPC server: AgentService, ControlService and standard health checking.
 
-Binds 127.0.0.1 by default; message size is bounded; ``close()`` stops it.
+Binds 127.0.0.1 by default; ``close()`` stops it and then the agent servicer's store
+writer. AgentService is registered with its own deserializer, so that refused messages
+are counted (``fleet_ingest_errors_total``): bytes that are not an AgentMessage end the
+stream with INVALID_ARGUMENT, a message over ``max_message_bytes`` with
+RESOURCE_EXHAUSTED. gRPC's own receive limit is set ``GRPC_LIMIT_FACTOR`` times higher,
+as a backstop against memory exhaustion: past it gRPC refuses the message itself
+(RESOURCE_EXHAUSTED too, but not counted).
 """
 
 from __future__ import annotations
@@ -10,12 +16,33 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from controlplane.agent_server import AgentServicer
+from controlplane.agent_server import MALFORMED, OVERSIZED, AgentServicer
 from controlplane.control_server import ControlServicer
-from controlplane.errors import UnavailableError
-from fleet_proto import agent_pb2_grpc, control_pb2_grpc
+from agent.tls import TlsFileError, TlsFiles, server_credentials
+from controlplane.errors import ConfigError, UnavailableError
+from fleet_proto import agent_pb2, control_pb2_grpc
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+GRPC_LIMIT_FACTOR = 4
+
+
+def _agent_service(servicer: AgentServicer, max_message_bytes: int) -> grpc.GenericRpcHandler:
+    """AgentService.Connect, whose deserializer counts messages it refuses."""
+
+    def parse(data: bytes) -> object:
+        if len(data) > max_message_bytes:
+            servicer.metrics.errors.labels("oversized").inc()
+            return OVERSIZED
+        try:
+            return agent_pb2.AgentMessage.FromString(data)
+        except Exception:  # noqa: BLE001 - any parse failure is the sender's fault
+            servicer.metrics.errors.labels("malformed").inc()
+            return MALFORMED
+
+    connect = grpc.stream_stream_rpc_method_handler(
+        servicer.Connect, request_deserializer=parse,
+        response_serializer=agent_pb2.ControllerMessage.SerializeToString)
+    return grpc.method_handlers_generic_handler("fleet.v1.AgentService", {"Connect": connect})
 
 
 class ControllerServer:
@@ -28,22 +55,30 @@ class ControllerServer:
         host: str = "127.0.0.1",
         port: int = 0,
         max_workers: int = 64,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        tls: TlsFiles | None = None,
     ) -> None:
+        self.agent_servicer = agent_servicer
         self._executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fleet-ctl-grpc")
         self._server = grpc.server(
             self._executor,
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", GRPC_LIMIT_FACTOR * max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
             ],
         )
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(agent_servicer, self._server)
+        self._server.add_generic_rpc_handlers((_agent_service(agent_servicer, max_message_bytes),))
         control_pb2_grpc.add_ControlServiceServicer_to_server(control_servicer, self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
+            if tls is None:
+                bound = self._server.add_insecure_port(f"{host}:{port}")
+            else:  # mutual TLS: clients must present a certificate signed by tls.ca_cert
+                bound = self._server.add_secure_port(f"{host}:{port}", server_credentials(tls))
+        except TlsFileError as exc:
+            raise ConfigError(str(exc)) from None
         except RuntimeError as exc:
             raise UnavailableError(f"cannot bind the controller to {host}:{port}: {exc}") from None
         if bound == 0:
@@ -61,6 +96,7 @@ class ControllerServer:
         self._server.stop(grace_s).wait(timeout=grace_s + 3)
         # grpc.Server.stop leaves the executor's threads parked; end them too
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.agent_servicer.close()
 
     def __enter__(self) -> ControllerServer:
         return self.start()

@@ -13,6 +13,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from controlplane.config import AgentConfig, ControllerConfig, RayConfig
@@ -132,6 +133,7 @@ class AgentSet:
         token: str,
         agent: AgentConfig,
         controller: ControllerConfig,
+        spill_dir: Path,
     ) -> None:
         remote_cls = ray.remote(num_cpus=0, max_restarts=0)(AgentActor)
         for node in nodes:
@@ -143,8 +145,14 @@ class AgentSet:
                 token=token,
                 ray_node_id=node.ray_node_id,
                 batch_max_events=agent.batch_max_events,
+                batch_max_bytes=agent.batch_max_bytes,
                 batch_interval_s=agent.batch_interval_s,
                 heartbeat_interval_s=controller.heartbeat_interval_s,
+                memory_max_bytes=agent.memory_max_bytes,
+                spill_dir=spill_dir,
+                spill_max_bytes=agent.spill_max_bytes,
+                max_message_bytes=controller.max_message_bytes,
+                tls=controller.tls.client_files(),
             )
         refs = {name: a.start.remote(controller.agent_start_timeout_s) for name, a in self.actors.items()}
         try:

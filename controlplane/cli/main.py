@@ -12,7 +12,7 @@ import traceback
 
 import typer
 
-from controlplane.cli import faults, jobs, model, replay, up
+from controlplane.cli import db, faults, jobs, model, nodes, replay, up
 from controlplane.cli.render import err_console
 from controlplane.errors import FleetError
 
@@ -26,9 +26,11 @@ app = typer.Typer(
 )
 app.command("up")(up.up)
 app.command("jobs")(jobs.jobs)
+app.command("nodes")(nodes.nodes)
 app.command("replay")(replay.replay)
 app.command("inject-fault")(faults.inject_fault)
 app.command("model-info")(model.model_info)
+app.add_typer(db.app, name="db")
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the process exit code."""

@@ -57,6 +57,7 @@ _RESTORED = events_pb2.WorkerStatus.RESTORED
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 COLLECTIVE_STATES = frozenset({"started", "completed", "failed"})
+SDC_KINDS = frozenset({"param_checksum", "gemm", "replay"})
 OP_LEN = 64
 STATE_LEN = 16
 
@@ -328,6 +329,9 @@ def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
                     "group_name": ev.group, "desc": ev.desc, "ranks": _dumps(sorted(ev.ranks))}
             elif kind == "sdc":
                 ev = event.sdc
+                if ev.kind not in SDC_KINDS or len(ev.value) > NAME_LEN or len(ev.expected) > NAME_LEN:
+                    raise InvalidBatch(f"sdc: kind must be one of {sorted(SDC_KINDS)} and value, "
+                                       f"expected at most {NAME_LEN} characters")
                 out.sdc.append({
                     "job_id": ev.job_id, "attempt": ev.attempt,
                     "rank": ev.rank if ev.rank >= 0 else None, "node": ev.node or None,

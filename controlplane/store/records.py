@@ -60,6 +60,8 @@ class NodeRecord:
     quarantine_reason: str
     quarantined_since: float | None
     last_seen: float
+    health: str = "unknown"  # last node health-check verdict; "unknown" until the first check
+    health_reason: str = ""  # why, as the check reported it
 
 
 @dataclass(frozen=True)
@@ -194,3 +196,35 @@ class CheckpointRecord:
     save_s: float
     valid: bool
     created_at: float
+
+
+@dataclass(frozen=True)
+class SdcCheckRecord:
+    id: int
+    job_id: str
+    attempt: int
+    rank: int | None  # None for a node-level check
+    node: str | None
+    step: int
+    kind: str  # "param_checksum" | "gemm" | "replay"
+    value: str  # what was measured (hex digest or number as text)
+    expected: str  # what it should have been ("" when decided by majority)
+    ok: bool
+    detail: str
+    time_ns: int
+
+
+@dataclass(frozen=True)
+class IngestDropRecord:
+    """Events lost before the store: by the agent, or refused by the controller."""
+
+    id: int
+    agent_id: str
+    node: str
+    epoch: int
+    first_seq: int  # batch seqs covered (0 when the events never got a batch)
+    last_seq: int
+    events: int
+    reason: str
+    source: str  # "agent" | "controller"
+    at: float

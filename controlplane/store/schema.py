@@ -109,6 +109,11 @@ class Node(Base):
     quarantine_reason: Mapped[str] = mapped_column(Text, default="")
     quarantined_since: Mapped[float | None] = mapped_column(Float)
     last_seen: Mapped[float] = mapped_column(Float)
+    # Last node health-check verdict ("unknown" until the first check); server defaults so
+    # the migration that added them could fill rows that already existed.
+    health: Mapped[str] = mapped_column(String(STATE_LEN), default="unknown",
+                                        server_default="unknown")
+    health_reason: Mapped[str] = mapped_column(Text, default="", server_default="")
 
 
 class Rank(Base):
@@ -246,6 +251,8 @@ class Action(Base):
 
 class Checkpoint(Base):
     __tablename__ = "checkpoints"
+    # The unique (job_id, step) index also serves latest_valid_checkpoint: it walks the
+    # job's steps backwards and skips the rare invalid ones, so no (job, valid, step) index.
     __table_args__ = (UniqueConstraint("job_id", "step"),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -269,3 +276,47 @@ class IngestBatch(Base):
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     committed_at: Mapped[float] = mapped_column(Float)
     n_events: Mapped[int] = mapped_column(Integer)
+
+
+class SdcCheck(Base):
+    """One silent-data-corruption check: a cross-replica parameter checksum, a known-answer
+    GEMM on a node, or the replay of a step elsewhere; ``ok`` is whether value == expected."""
+
+    __tablename__ = "sdc_checks"
+    __table_args__ = (
+        Index(None, "job_id", "step"),
+        Index(None, "node", "time_ns"),  # a node's check history, for quarantine evidence
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN))  # telemetry: no foreign key
+    attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int | None] = mapped_column(Integer)  # None for a node-level check
+    node: Mapped[str | None] = mapped_column(String(NAME_LEN))
+    step: Mapped[int] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(32))  # "param_checksum" | "gemm" | "replay"
+    value: Mapped[str] = mapped_column(String(255))
+    expected: Mapped[str] = mapped_column(String(255))
+    ok: Mapped[bool] = mapped_column(Boolean)
+    detail: Mapped[str] = mapped_column(Text)
+    time_ns: Mapped[int] = mapped_column(BigInteger)
+
+
+class IngestDrop(Base):
+    """Events known to be lost before the store, so reports can say what is missing."""
+
+    __tablename__ = "ingest_drops"
+    __table_args__ = (Index(None, "node", "at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    agent_id: Mapped[str] = mapped_column(String(NAME_LEN))
+    node: Mapped[str] = mapped_column(String(NAME_LEN))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    first_seq: Mapped[int] = mapped_column(BigInteger)
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    events: Mapped[int] = mapped_column(BigInteger)
+    reason: Mapped[str] = mapped_column(Text)
+    # "agent": the agent lost them (e.g. spill disk full);
+    # "controller": the controller refused a malformed batch
+    source: Mapped[str] = mapped_column(String(16))
+    at: Mapped[float] = mapped_column(Float)

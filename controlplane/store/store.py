@@ -10,6 +10,7 @@ Invariants:
   and writes nothing.
 - ``record_batch`` is idempotent on (agent_id, epoch, seq): the batch row and its
   events commit together or not at all.
+- Opening a Store brings its schema to the newest migration (``migrate.upgrade``).
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Engine, case, func, select, update
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import case, func, select, update
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from controlplane.errors import FleetError, NotFoundError, StateError, UnavailableError
 from controlplane.lifecycle import AttemptState, JobState, check_transition
-from controlplane.store import ingest
+from controlplane.store import ingest, migrate
 from controlplane.store.engine import make_engine, redact, upsert
 from controlplane.store.records import (
     ActionRecord,
@@ -39,10 +40,12 @@ from controlplane.store.records import (
     CollectiveSummary,
     HealthRecord,
     IncidentRecord,
+    IngestDropRecord,
     JobRecord,
     NodeRecord,
     ProcessGroupRecord,
     RankRecord,
+    SdcCheckRecord,
     StepRecord,
     TransitionRecord,
     WorkerStatusRecord,
@@ -55,18 +58,21 @@ from controlplane.store.schema import (
     HealthSample,
     Incident,
     IngestBatch,
+    IngestDrop,
     Job,
     Node,
     ProcessGroupRow,
     Rank,
+    SdcCheck,
     Step,
     Transition,
     WorkerStatusRow,
-    metadata,
 )
 from fleet_proto import events_pb2
 
 ACTION_KINDS = frozenset({"restart", "quarantine", "release", "rollback", "stop", "inject_fault"})
+SDC_KINDS = ingest.SDC_KINDS
+DROP_SOURCES = frozenset({"agent", "controller"})
 NODE_HEALTHY = "healthy"
 NODE_QUARANTINED = "quarantined"
 
@@ -75,11 +81,6 @@ def new_job_id(now: float) -> str:
     """``j-YYYYmmdd-HHMMSS-xxxx`` (UTC, 4 random hex digits)."""
     stamp = datetime.fromtimestamp(now, tz=timezone.utc).strftime("%Y%m%d-%H%M%S")
     return f"j-{stamp}-{secrets.token_hex(2)}"
-
-
-def create_schema(engine: Engine) -> None:
-    """Create missing tables and indexes (the Alembic migrations will replace this)."""
-    metadata.create_all(engine)
 
 
 def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
@@ -99,10 +100,11 @@ class Store:
         self._write_sessions = sessionmaker(write_engine, expire_on_commit=False)
         self._closed = False
         try:
-            create_schema(self._engine)
-        except OperationalError as e:
+            # The store upgrades itself on first use; one query when already at head.
+            migrate.upgrade(write_engine)
+        except FleetError:
             self._engine.dispose()
-            raise UnavailableError(f"store {self._shown_url!r}: cannot open: {e.orig}") from e
+            raise
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -311,13 +313,22 @@ class Store:
                 raise NotFoundError(f"node {name!r} not found")
             node.state, node.quarantine_reason, node.quarantined_since = NODE_HEALTHY, "", None
 
+    def set_node_health(self, name: str, health: str, reason: str) -> None:
+        """Store the node's latest health-check verdict and why; ``NotFoundError`` if unknown."""
+        with self._tx(write=True) as s:
+            res = s.execute(update(Node).where(Node.name == name)
+                            .values(health=health, health_reason=reason))
+            if res.rowcount == 0:
+                raise NotFoundError(f"node {name!r} not found")
+
     def list_nodes(self) -> list[NodeRecord]:
         with self._tx(write=False) as s:
             rows = s.scalars(select(Node).order_by(Node.name)).all()
             return [NodeRecord(name=n.name, ray_node_id=n.ray_node_id, hostname=n.hostname,
                                resources_json=n.resources_json, state=n.state,
                                quarantine_reason=n.quarantine_reason,
-                               quarantined_since=n.quarantined_since, last_seen=n.last_seen)
+                               quarantined_since=n.quarantined_since, last_seen=n.last_seen,
+                               health=n.health, health_reason=n.health_reason)
                     for n in rows]
 
     def record_rank(self, job_id: str, attempt: int, rank: int, node: str, pid: int) -> None:
@@ -342,22 +353,32 @@ class Store:
 
     def record_batch(self, agent_id: str, epoch: int, seq: int,
                      events: Sequence[events_pb2.Event]) -> bool:
-        """Store one agent batch atomically; False (and nothing written) if already stored."""
-        key = {"agent_id": agent_id, "epoch": epoch, "seq": seq}
+        """Store one agent batch atomically; False (and nothing written) if already stored.
+
+        ``ingest.InvalidBatch`` (nothing written) when the events cannot be stored."""
+        return self.record_batches([(agent_id, epoch, seq, ingest.prepare(events))])[0]
+
+    def record_batches(self, batches: Sequence[tuple[str, int, int, ingest.PreparedBatch]]
+                       ) -> list[bool]:
+        """Store prepared batches ``(agent_id, epoch, seq, rows)`` in one transaction (a
+        group commit); per batch, True if stored now, False if it already was. All or
+        nothing: on an error none of them is stored."""
+        # RETURNING tells a fresh key from one already stored (rowcount is not reliable).
+        marker = upsert(self.dialect, IngestBatch.__table__, ["agent_id", "epoch", "seq"],
+                        None).returning(IngestBatch.__table__.c.seq)
+        fresh: list[bool] = []
         try:
             with self._tx(write=True) as s:
-                if s.get(IngestBatch, (agent_id, epoch, seq)) is not None:
-                    return False
-                s.execute(IngestBatch.__table__.insert(),
-                          [{**key, "committed_at": time.time(), "n_events": len(events)}])
-                ingest.write_events(s, events)
-        except IntegrityError:
-            # A concurrent commit of the same key (PostgreSQL); anything else is re-raised.
-            with self._tx(write=False) as s:
-                if s.get(IngestBatch, (agent_id, epoch, seq)) is not None:
-                    return False
-            raise
-        return True
+                now = time.time()
+                for agent_id, epoch, seq, rows in batches:
+                    res = s.connection().execute(marker, {
+                        "agent_id": agent_id, "epoch": epoch, "seq": seq,
+                        "committed_at": now, "n_events": rows.events})
+                    fresh.append(res.first() is not None)
+                ingest.write(s, [rows for (*_, rows), new in zip(batches, fresh) if new])
+        except (IntegrityError, DataError) as e:
+            raise ingest.InvalidBatch(f"the store refused it: {e.orig}") from e
+        return fresh
 
     def committed_seq(self, agent_id: str, epoch: int) -> int:
         """Highest committed batch seq of (agent, epoch); 0 if none."""
@@ -563,3 +584,63 @@ class Store:
                                        hostname=r.hostname, restored_step=r.restored_step,
                                        detail=r.detail, phase_s=r.phase_s)
                     for r in s.scalars(stmt)]
+
+    # -- SDC checks and ingest drops ------------------------------------------------------
+
+    def record_sdc_check(self, job_id: str, attempt: int, step: int, kind: str, value: str,
+                         expected: str, ok: bool, detail: str = "", rank: int | None = None,
+                         node: str | None = None, time_ns: int | None = None) -> int:
+        """Store one SDC check (``rank`` None for a node-level check); return its id.
+
+        ``time_ns`` defaults to now."""
+        if kind not in SDC_KINDS:
+            raise ValueError(f"SDC check kind {kind!r} not in {sorted(SDC_KINDS)}")
+        with self._tx(write=True) as s:
+            self._job(s, job_id)  # sdc_checks, like all telemetry, has no foreign key
+            row = SdcCheck(job_id=job_id, attempt=attempt, rank=rank, node=node, step=step,
+                           kind=kind, value=value, expected=expected, ok=ok, detail=detail,
+                           time_ns=time.time_ns() if time_ns is None else time_ns)
+            s.add(row)
+            s.flush()
+            return row.id
+
+    def sdc_checks(self, job_id: str, attempt: int | None = None) -> list[SdcCheckRecord]:
+        """The job's SDC checks ordered by attempt, step, then as recorded."""
+        stmt = select(SdcCheck).where(SdcCheck.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(SdcCheck.attempt == attempt)
+        stmt = stmt.order_by(SdcCheck.attempt, SdcCheck.step, SdcCheck.id)
+        with self._tx(write=False) as s:
+            return [SdcCheckRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, rank=r.rank,
+                                   node=r.node, step=r.step, kind=r.kind, value=r.value,
+                                   expected=r.expected, ok=bool(r.ok), detail=r.detail,
+                                   time_ns=r.time_ns)
+                    for r in s.scalars(stmt)]
+
+    def record_drop(self, agent_id: str, node: str, epoch: int, first_seq: int, last_seq: int,
+                    events: int, reason: str, source: str) -> int:
+        """Record events lost before the store; return the row's id.
+
+        ``source``: "agent" (the agent lost them, e.g. its spill disk was full) or
+        "controller" (the controller refused a malformed batch)."""
+        if source not in DROP_SOURCES:
+            raise ValueError(f"drop source {source!r} not in {sorted(DROP_SOURCES)}")
+        with self._tx(write=True) as s:
+            row = IngestDrop(agent_id=agent_id, node=node, epoch=epoch, first_seq=first_seq,
+                             last_seq=last_seq, events=events, reason=reason, source=source,
+                             at=time.time())
+            s.add(row)
+            s.flush()
+            return row.id
+
+    def ingest_drops(self, node: str | None = None) -> list[IngestDropRecord]:
+        """Recorded drops (of ``node``, or all), oldest first."""
+        stmt = select(IngestDrop)
+        if node is not None:
+            stmt = stmt.where(IngestDrop.node == node)
+        with self._tx(write=False) as s:
+            return [IngestDropRecord(id=r.id, agent_id=r.agent_id, node=r.node, epoch=r.epoch,
+                                     first_seq=r.first_seq, last_seq=r.last_seq,
+                                     events=r.events, reason=r.reason, source=r.source,
+                                     at=r.at)
+                    for r in s.scalars(stmt.order_by(IngestDrop.at, IngestDrop.id))]

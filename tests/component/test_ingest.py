@@ -122,6 +122,21 @@ def test_a_group_commit_applies_batches_in_order_and_skips_repeats(store: Store)
     assert store.committed_seq("a", 1) == 2
 
 
+def test_sdc_checks_arrive_in_batches_and_bad_ones_are_refused(store: Store) -> None:
+    job_id, _ = _job(store)
+    sdc = events_pb2.SdcCheckEvent(job_id=job_id, attempt=1, rank=-1, node="node-3", step=40,
+                                   kind="gemm", value="1.5", expected="1.0", ok=False,
+                                   detail="known-answer GEMM differs", time_ns=9)
+    store.record_batch("a", 1, 1, [events_pb2.Event(sdc=sdc)])
+    (got,) = store.sdc_checks(job_id)
+    assert (got.rank, got.node, got.step, got.kind, got.ok, got.detail) == \
+        (None, "node-3", 40, "gemm", False, "known-answer GEMM differs")
+    sdc.kind = "vibes"
+    with pytest.raises(InvalidBatch, match="event 0: sdc: kind"):
+        store.record_batch("a", 1, 2, [events_pb2.Event(sdc=sdc)])
+    assert len(store.sdc_checks(job_id)) == 1
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda b: b.rank.append(3), "collectives.rank has 3 values"),
     (lambda b: b.op.__setitem__(0, 99), "collectives.op: index 99 outside strings"),

@@ -400,3 +400,93 @@ def test_model_overrides_and_recipe_reach_the_worker_contract() -> None:
     args, train = cfg.job.model.args(), cfg.job.train_args()
     assert (args.fp8, args.n_experts) == ("rowwise", 8)
     assert (train.ep_size, train.grad_accum_steps, train.activation_checkpointing) == (2, 3, True)
+
+
+# -- agent buffering, message size, metrics port, TLS ------------------------------------
+
+
+def test_agent_buffering_and_controller_limits_default_and_parse() -> None:
+    cfg = parse_cluster_yaml("", SRC)
+    assert (cfg.agent.batch_max_bytes, cfg.agent.memory_max_bytes, cfg.agent.spill_max_bytes) == (
+        1 << 20, 64 << 20, 1 << 30)
+    assert cfg.controller.max_message_bytes == 16 << 20
+    assert cfg.controller.metrics_port == 0
+    assert not cfg.controller.tls.enabled
+    assert cfg.controller.tls.server_files() is None and cfg.controller.tls.client_files() is None
+    cfg = parse_cluster_yaml(
+        "agent:\n  batch_max_bytes: 65536\n  memory_max_bytes: 1048576\n  spill_max_bytes: 0\n"
+        "controller:\n  max_message_bytes: 2097152\n  metrics_port: 9400\n", SRC)
+    assert (cfg.agent.batch_max_bytes, cfg.agent.memory_max_bytes, cfg.agent.spill_max_bytes) == (
+        65536, 1 << 20, 0)
+    assert (cfg.controller.max_message_bytes, cfg.controller.metrics_port) == (2 << 20, 9400)
+
+
+def test_spill_dir_defaults_under_state_dir(tmp_path: Path) -> None:
+    cfg = parse_cluster_yaml(f"state_dir: {tmp_path}/state\n", SRC)
+    assert cfg.agent_spill_dir() == tmp_path / "state" / "spill"
+    cfg = parse_cluster_yaml(f"agent:\n  spill_dir: {tmp_path}/elsewhere\n", SRC)
+    assert cfg.agent_spill_dir() == tmp_path / "elsewhere"
+
+
+def test_max_message_bytes_must_leave_room_for_a_batch() -> None:
+    msg = _error("agent:\n  batch_max_bytes: 16777216\n  memory_max_bytes: 67108864\n")
+    assert "controller.max_message_bytes (16777216)" in msg
+    assert "agent.batch_max_bytes (16777216)" in msg
+    assert "headroom" in msg
+
+
+def test_batch_must_fit_in_agent_memory() -> None:
+    msg = _error("agent:\n  batch_max_bytes: 2097152\n  memory_max_bytes: 1048576\n"
+                 "controller:\n  max_message_bytes: 33554432\n")
+    assert msg.startswith(f"{SRC}:2: agent: ")
+    assert "batch_max_bytes (2097152) must be <= memory_max_bytes (1048576)" in msg
+
+
+def test_metrics_port_out_of_range() -> None:
+    assert _error("controller:\n  metrics_port: 70000\n").startswith(f"{SRC}:2: controller.metrics_port: ")
+
+
+_TLS_KEYS = ("ca_cert", "server_cert", "server_key", "client_cert", "client_key")
+
+
+def _tls_yaml(paths: dict[str, str]) -> str:
+    return "controller:\n  tls:\n" + "".join(f"    {k}: {v}\n" for k, v in paths.items())
+
+
+def test_tls_files_are_resolved_and_offered_to_both_sides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in _TLS_KEYS:
+        (tmp_path / f"{k}.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    monkeypatch.chdir(tmp_path)   # relative paths are relative to the working directory
+    cfg = parse_cluster_yaml(_tls_yaml({k: f"{k}.pem" for k in _TLS_KEYS}), SRC)
+    tls = cfg.controller.tls
+    assert tls.enabled
+    server, client = tls.server_files(), tls.client_files()
+    assert server is not None and client is not None
+    assert (server.ca_cert, server.cert, server.key) == (
+        tmp_path / "ca_cert.pem", tmp_path / "server_cert.pem", tmp_path / "server_key.pem")
+    assert (client.ca_cert, client.cert, client.key) == (
+        tmp_path / "ca_cert.pem", tmp_path / "client_cert.pem", tmp_path / "client_key.pem")
+
+
+def test_missing_tls_file_names_the_dotted_field(tmp_path: Path) -> None:
+    paths = {k: str(tmp_path / f"{k}.pem") for k in _TLS_KEYS}
+    for k in _TLS_KEYS[1:]:
+        Path(paths[k]).write_text("x")
+    msg = _error(_tls_yaml(paths))
+    assert msg.startswith(f"{SRC}:3: controller.tls.ca_cert: "), msg
+    assert "ca_cert.pem" in msg and "No such file" in msg
+
+
+def test_partial_tls_section_names_the_missing_files(tmp_path: Path) -> None:
+    (tmp_path / "ca.pem").write_text("x")
+    msg = _error(_tls_yaml({"ca_cert": str(tmp_path / "ca.pem")}))
+    assert msg.startswith(f"{SRC}:3: controller.tls: "), msg
+    assert "server_cert, server_key, client_cert, client_key" in msg
+
+
+def test_tls_file_that_is_a_folder_is_rejected(tmp_path: Path) -> None:
+    paths = {k: str(tmp_path / f"{k}.pem") for k in _TLS_KEYS}
+    for k in _TLS_KEYS:
+        Path(paths[k]).write_text("x")
+    paths["client_key"] = str(tmp_path)
+    assert f"{SRC}:7: controller.tls.client_key: cannot read" in _error(_tls_yaml(paths))

@@ -1,4 +1,4 @@
-"""Store tests against a real SQLite file in tmp_path."""
+"""Store tests on both backends: a real SQLite file and a real PostgreSQL database."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    with Store(f"sqlite:///{tmp_path}/state/fleet.db") as s:
+def store(store_url: str):
+    with Store(store_url) as s:
         yield s
 
 
@@ -233,6 +233,55 @@ def test_nodes_ranks_incidents_actions(store: Store, job: str) -> None:
     assert (h.time_ns, h.workers_alive) == (10, 4)
 
 
+def test_node_health(store: Store) -> None:
+    store.upsert_node("n1", "ray-1", "host1", "{}")
+    (n1,) = store.list_nodes()
+    assert (n1.health, n1.health_reason) == ("unknown", "")
+    store.set_node_health("n1", "failed", "GEMM known-answer mismatch on GPU 3")
+    store.upsert_node("n1", "ray-1b", "host1", "{}")  # re-register keeps the verdict
+    (n1,) = store.list_nodes()
+    assert (n1.health, n1.health_reason, n1.state) == (
+        "failed", "GEMM known-answer mismatch on GPU 3", "healthy")
+    with pytest.raises(NotFoundError, match="n9"):
+        store.set_node_health("n9", "ok", "")
+
+
+def test_sdc_checks(store: Store, job: str) -> None:
+    a = store.record_sdc_check(job, 1, 20, "param_checksum", "ab12", "ab12", True, rank=1,
+                               node="n1", time_ns=7)
+    b = store.record_sdc_check(job, 1, 10, "gemm", "1.5", "1.0", False, "GPU 3 differs",
+                               node="n2")
+    store.create_attempt(job)
+    store.record_sdc_check(job, 2, 5, "replay", "cd", "cd", True, rank=0)
+    checks = store.sdc_checks(job, attempt=1)
+    assert [(c.id, c.step, c.kind, c.ok) for c in checks] == [
+        (b, 10, "gemm", False), (a, 20, "param_checksum", True)]
+    gemm, param = checks
+    assert (gemm.rank, gemm.node, gemm.detail, gemm.value, gemm.expected) == (
+        None, "n2", "GPU 3 differs", "1.5", "1.0")
+    assert gemm.time_ns > 1_600_000_000 * 10**9 and param.time_ns == 7
+    assert (param.rank, param.node) == (1, "n1")
+    assert [c.attempt for c in store.sdc_checks(job)] == [1, 1, 2]
+    assert store.sdc_checks("j-other") == []
+    with pytest.raises(ValueError, match="kind"):
+        store.record_sdc_check(job, 1, 1, "vibes", "", "", True)
+    with pytest.raises(NotFoundError):
+        store.record_sdc_check("j-nope", 1, 1, "gemm", "", "", True)
+
+
+def test_ingest_drops(store: Store) -> None:
+    first = store.record_drop("agent-a", "n1", 3, 10, 12, 3000, "spill disk full", "agent")
+    store.record_drop("agent-b", "n2", 1, 4, 4, 17, "event 2: unknown dtype", "controller")
+    (d,) = store.ingest_drops("n1")
+    assert (d.id, d.agent_id, d.epoch, d.first_seq, d.last_seq, d.events, d.reason, d.source) == (
+        first, "agent-a", 3, 10, 12, 3000, "spill disk full", "agent")
+    assert d.at == pytest.approx(time.time(), abs=60)
+    assert [x.node for x in store.ingest_drops()] == ["n1", "n2"]
+    assert store.ingest_drops("n9") == []
+    with pytest.raises(ValueError, match="source"):
+        store.record_drop("a", "n", 1, 1, 1, 1, "x", "gremlins")
+
+
 # -- construction ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("url", [
@@ -254,19 +303,18 @@ def test_sqlite_folder_that_cannot_be_created(tmp_path: Path) -> None:
         Store(f"sqlite:///{tmp_path}/file/sub/fleet.db")
 
 
-def test_closed_store_refuses(tmp_path: Path) -> None:
-    s = Store(f"sqlite:///{tmp_path}/fleet.db")
+def test_closed_store_refuses(store_url: str) -> None:
+    s = Store(store_url)
     s.close()
     s.close()
     with pytest.raises(StateError, match="closed"):
         s.list_jobs()
 
 
-def test_reopen_keeps_data(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path}/fleet.db"
-    with Store(url) as s:
+def test_reopen_keeps_data(store_url: str) -> None:
+    with Store(store_url) as s:
         job_id = s.create_job("x", 1, "{}")
-    with Store(url) as s:
+    with Store(store_url) as s:
         assert s.get_job(job_id).name == "x"
 
 
@@ -336,7 +384,7 @@ def test_in_memory_store_is_shared_between_threads() -> None:
 
 
 def test_throughput_report(store: Store, job: str, capsys: pytest.CaptureFixture) -> None:
-    """Not asserted: prints collective events/s that record_batch sustains on SQLite."""
+    """Not asserted: prints collective events/s that record_batch sustains on each backend."""
     n_batches, size = 20, 1000
     ops = size // 2
     # Same-batch pairs: each op's start and completion in one batch of 1000 events.
@@ -359,7 +407,7 @@ def test_throughput_report(store: Store, job: str, capsys: pytest.CaptureFixture
         store.record_batch("perf-2", 1, i + 1, events)
     cross = n_batches * size / (time.perf_counter() - t0)
     with capsys.disabled():
-        print(f"\nrecord_batch on SQLite, batches of {size} collective events: "
+        print(f"\nrecord_batch on {store.dialect}, batches of {size} collective events: "
               f"{same:,.0f} events/s (start+completion in one batch), "
               f"{cross:,.0f} events/s (completions in a later batch)")
     assert len(store.collectives(job)) == n_batches * ops + n_batches // 2 * size

@@ -1,0 +1,1 @@
+"""One module per schema revision; revision ids are "0001", "0002", ... in order."""

@@ -1,0 +1,252 @@
+"""Schema migrations on both backends: from empty, from a store made before migrations,
+refusing a newer fleet's store, concurrent first opens, and `fleet db`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.config import Config
+from alembic.migration import MigrationContext
+from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy.engine import make_url
+
+from controlplane.cli.main import main
+from controlplane.errors import ConfigError, FleetError, UnavailableError
+from controlplane.store import Store, migrate
+from controlplane.store.engine import make_engine
+from controlplane.store.schema import metadata
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def engine(store_url: str) -> Iterator[Engine]:
+    """A plain engine on the test's store, to build and inspect it behind the Store's back."""
+    url = make_url(store_url)
+    if url.get_backend_name() == "sqlite":
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    eng = create_engine(url)
+    try:
+        yield eng
+    finally:
+        eng.dispose()
+
+
+def _alembic_upgrade(engine: Engine, revision: str) -> None:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrate.MIGRATIONS_DIR))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+
+
+def _scalar(engine: Engine, sql: str):
+    with engine.connect() as conn:
+        return conn.execute(text(sql)).scalar()
+
+
+def test_upgrade_from_empty_reaches_head_and_matches_the_models(store_url: str,
+                                                                 engine: Engine) -> None:
+    assert migrate.inspect_url(store_url).state == migrate.EMPTY
+    assert migrate.upgrade_url(store_url) == (None, migrate.head())
+    assert migrate.current(engine) == migrate.head() == "0002"
+    with engine.connect() as conn:
+        # Alembic misreads SQLite's DEFAULT '' as a difference; its defaults are checked below.
+        ctx = MigrationContext.configure(conn, opts={
+            "compare_type": True, "compare_server_default": engine.dialect.name != "sqlite"})
+        assert compare_metadata(ctx, metadata) == []
+        defaults = {c["name"]: c["default"] for c in inspect(conn).get_columns("nodes")}
+        assert [defaults["health"].split("::")[0], defaults["health_reason"].split("::")[0]] == [
+            "'unknown'", "''"]
+    assert migrate.upgrade_url(store_url) == ("0002", "0002")
+
+
+def test_at_head_opening_costs_one_query(store_url: str) -> None:
+    migrate.upgrade_url(store_url)
+    eng, write, _ = make_engine(store_url)
+    statements: list[str] = []
+    event.listen(eng, "before_cursor_execute",
+                 lambda _c, _cur, sql, *_a: statements.append(sql.strip().upper()))
+    try:
+        assert migrate.upgrade(write) == ("0002", "0002")
+    finally:
+        eng.dispose()
+    assert [s for s in statements if s not in ("BEGIN", "ROLLBACK", "COMMIT")] == [
+        "SELECT VERSION_NUM FROM ALEMBIC_VERSION"]
+
+
+def test_store_made_before_migrations_is_stamped_and_upgraded(store_url: str,
+                                                              engine: Engine) -> None:
+    _alembic_upgrade(engine, "0001")
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE alembic_version"))
+        conn.execute(text(
+            "INSERT INTO jobs (id, name, state, total_steps, config_json, created_at, "
+            "updated_at, ended_at, reason) VALUES ('j-old', 'llama', 'RUNNING', 100, '{}', "
+            "1.0, 2.0, NULL, '')"))
+        conn.execute(text(
+            "INSERT INTO collectives (job_id, attempt, rank, group_name, seq, group_size, op, "
+            "input_sizes, input_dtypes, output_sizes, output_dtypes, enter_ns, exit_ns, state, "
+            "exit_estimated, step) VALUES ('j-old', 1, :rank, '0', 7, 2, 'all_reduce', '[[4]]', "
+            "'[\"float32\"]', '[[4]]', '[\"float32\"]', 10, 20, 'completed', FALSE, 3)"),
+            [{"rank": 0}, {"rank": 1}])
+        conn.execute(text(
+            "INSERT INTO steps (job_id, attempt, rank, step, loss, step_time_s, tokens_per_s, "
+            "end_ns, grad_norm, lr, mfu, aux_loss, imbalanced, expert_load) VALUES "
+            "('j-old', 1, 0, 3, 2.5, 0.1, 1000.0, 30, 1.0, 0.001, 0.4, 0.0, FALSE, '[]')"))
+        conn.execute(text(
+            "INSERT INTO nodes (name, ray_node_id, hostname, resources_json, state, "
+            "quarantine_reason, quarantined_since, last_seen) VALUES "
+            "('n1', 'r1', 'h1', '{}', 'quarantined', 'bad GEMM', 5.0, 6.0)"))
+    assert migrate.inspect_url(store_url).state == migrate.UNVERSIONED
+
+    assert migrate.upgrade_url(store_url) == ("0001", "0002")
+    with Store(store_url) as store:
+        job = store.get_job("j-old")
+        assert (job.name, job.state.value, job.steps_completed) == ("llama", "RUNNING", 3)
+        assert [(c.rank, c.seq, c.state, c.input_sizes) for c in store.collectives("j-old")] == [
+            (0, 7, "completed", ((4,),)), (1, 7, "completed", ((4,),))]
+        assert [(s.step, s.lr) for s in store.steps("j-old")] == [(3, 0.001)]
+        (node,) = store.list_nodes()
+        assert (node.state, node.quarantine_reason, node.health, node.health_reason) == (
+            "quarantined", "bad GEMM", "unknown", "")
+    assert migrate.current(engine) == "0002"
+
+
+def test_store_made_before_migrations_that_lacks_a_table_is_refused(store_url: str,
+                                                                    engine: Engine) -> None:
+    _alembic_upgrade(engine, "0001")
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE alembic_version"))
+        conn.execute(text("DROP TABLE process_groups"))
+    with pytest.raises(FleetError, match="missing: process_groups"):
+        Store(store_url)
+    assert migrate.current(engine) is None
+    assert _scalar(engine, "SELECT count(*) FROM jobs") == 0  # still there, untouched
+
+
+def test_newer_fleets_store_is_refused_and_kept(store_url: str, engine: Engine,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with Store(store_url) as store:
+        job_id = store.create_job("x", 1, "{}")
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '0099'"))
+    with pytest.raises(ConfigError, match=r"revision '0099'.*upgrade fleet"):
+        Store(store_url)
+    assert migrate.inspect_url(store_url).state == migrate.UNKNOWN
+    code = main(["db", "upgrade", "--url", store_url])
+    out, err = capsys.readouterr()
+    assert code == ConfigError.exit_code
+    assert "0099" in err and len((out + err).strip().splitlines()) == 1
+    assert _scalar(engine, "SELECT version_num FROM alembic_version") == "0099"
+    assert _scalar(engine, "SELECT id FROM jobs") == job_id
+
+
+def test_concurrent_first_opens_all_succeed(store_url: str) -> None:
+    n = 4
+    barrier = threading.Barrier(n, timeout=30)
+    errors: list[BaseException] = []
+    jobs: list[str] = []
+
+    def open_store() -> None:
+        try:
+            barrier.wait()
+            with Store(store_url) as store:
+                jobs.append(store.create_job("x", 1, "{}"))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_store, name=f"opener-{i}") for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads)
+    assert errors == []
+    with Store(store_url) as store:
+        assert len(store.list_jobs()) == n
+
+
+def test_concurrent_first_opens_from_processes(store_url: str, tmp_path: Path) -> None:
+    n = 3
+    go = tmp_path / "go"
+    script = (
+        "import sys, time, pathlib\n"
+        "from controlplane.store import Store\n"
+        "go = pathlib.Path(sys.argv[2]); pathlib.Path(sys.argv[3]).touch()\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not go.exists() and time.monotonic() < deadline: time.sleep(0.005)\n"
+        "with Store(sys.argv[1]) as s: s.create_job('p', 1, '{}')\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, store_url, str(go),
+                               str(tmp_path / f"ready-{i}")], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(n)]
+    try:
+        deadline = time.monotonic() + 60
+        while (sum((tmp_path / f"ready-{i}").exists() for i in range(n)) < n
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        go.touch()
+        results = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * n, [err for _out, err in results]
+    with Store(store_url) as store:
+        assert len(store.list_jobs()) == n
+
+
+def test_fleet_db_upgrade_and_current(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["db", "current", "--url", store_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "url": store_url, "current": None, "head": "0002", "state": "empty"}
+
+    assert main(["db", "upgrade", "--url", store_url]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == f"store {store_url} upgraded (empty) -> 0002"
+    assert main(["db", "upgrade", "--url", store_url]) == 0
+    assert capsys.readouterr().out.strip() == f"store {store_url} already at 0002 (head)"
+
+    assert main(["db", "current", "--url", store_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "url": store_url, "current": "0002", "head": "0002", "state": "head"}
+    assert main(["db", "current", "--url", store_url]) == 0
+    assert capsys.readouterr().out.strip() == f"store {store_url} at 0002 (head)"
+
+
+def test_fleet_db_with_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path}/c.db"
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(f"name: demo\nstore:\n  url: {url}\n")
+    assert main(["db", "upgrade", "--cluster", str(cluster)]) == 0
+    assert capsys.readouterr().out.strip() == f"store {url} upgraded (empty) -> 0002"
+
+
+@pytest.mark.parametrize("url, code", [
+    ("postgresql+psycopg://fleet:s3cret@127.0.0.1:1/fleet", UnavailableError.exit_code),
+    ("mysql://fleet:s3cret@127.0.0.1/fleet", ConfigError.exit_code),
+    ("not a url", ConfigError.exit_code),
+])
+@pytest.mark.parametrize("verb", ["upgrade", "current"])
+def test_fleet_db_with_a_bad_url(verb: str, url: str, code: int,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["db", verb, "--url", url]) == code != 0
+    out, err = capsys.readouterr()
+    lines = (out + err).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert url.split("@")[-1] in lines[0] and "s3cret" not in lines[0]
+    assert "Traceback" not in out + err
