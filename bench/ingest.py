@@ -11,7 +11,7 @@ Every part is the real one, each in its own process, all on 127.0.0.1:
     started from the Debian binaries, as the tests do, unless ``--postgres-url``);
   * **K synthetic agents**: each a real ``agent.uplink.Uplink`` streaming
     ``CollectiveColumns`` blocks of ``--block`` rows, which is what a node agent forwards
-    from its workers' reports (``workers.columns.pack``), with distinct keys per agent.
+    from its workers' reports (``fleet_proto.columns.pack``), with distinct keys per agent.
 
 Throughput: the agents submit ``--events`` in all as fast as the stream takes them
 (``Uplink.submit`` blocks when the controller falls behind: gRPC flow control, nothing is
@@ -62,7 +62,7 @@ def _block(agent: int, first: int, n: int, now_ns: int):
 
     Row i is rank agent*8 + i%8, group i//8 % 2, seq i//16: distinct keys everywhere."""
     from fleet_proto import events_pb2
-    from workers.columns import dtypes_json, shapes_json
+    from fleet_proto.columns import dtypes_json, shapes_json
 
     strings = [JOB, "0", "1", *OPS, *(shapes_json(s) for s in SHAPES), dtypes_json(["bfloat16"]),
                "completed"]

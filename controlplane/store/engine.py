@@ -24,7 +24,7 @@ from sqlalchemy.pool import StaticPool
 from controlplane.errors import ConfigError
 
 BUSY_TIMEOUT_S = 30.0
-_WRITE_OPTION = "fleet_write"
+WRITE_OPTION = "fleet_write"
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 
 
@@ -91,7 +91,7 @@ def make_engine(url: str) -> tuple[Engine, Engine, bool]:
     if is_sqlite:
         _install_sqlite_hooks(engine, wal=_sqlite_file(parsed) is not None)
     single = is_sqlite and _sqlite_file(parsed) is None
-    return engine, engine.execution_options(**{_WRITE_OPTION: True}), single
+    return engine, engine.execution_options(**{WRITE_OPTION: True}), single
 
 
 def _install_sqlite_hooks(engine: Engine, *, wal: bool) -> None:
@@ -109,7 +109,7 @@ def _install_sqlite_hooks(engine: Engine, *, wal: bool) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        write = conn.get_execution_options().get(_WRITE_OPTION, False)
+        write = conn.get_execution_options().get(WRITE_OPTION, False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 

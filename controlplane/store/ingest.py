@@ -7,8 +7,8 @@ Ingest runs in two steps so that the expensive one can run off the writer thread
 
 Collectives are the volume (tens of thousands per second per controller). They arrive as
 ``CollectiveColumns`` blocks, column by column, and become rows with ``zip`` over the
-columns: no per-row Python code on the controller. Single ``CollectiveEvent``s (plain
-torchrun scripts, older agents) take a per-event path that produces the same tuples.
+columns: no per-row Python code on the controller. Single ``CollectiveEvent``s are
+packed into a block first (``fleet_proto.columns``), so both take the same path.
 Rows go to the database through the DBAPI cursor with one ``INSERT ... ON CONFLICT``
 statement: ``executemany`` on SQLite, which is the cost of a raw ``executemany``; on
 PostgreSQL ``COPY`` into a staging table, then one ``INSERT ... SELECT``.
@@ -50,7 +50,7 @@ from controlplane.store.schema import (
     WorkerStatusRow,
     metadata,
 )
-from fleet_proto import events_pb2
+from fleet_proto import columns, events_pb2
 
 _STATUS_NAMES = events_pb2.WorkerStatus.State
 _RESTORED = events_pb2.WorkerStatus.RESTORED
@@ -90,35 +90,10 @@ class PreparedBatch:
     restored: list[tuple[str, int, int]] = field(default_factory=list)
 
 
-# -- JSON of shapes and dtype lists ---------------------------------------------------------
+# -- collectives ----------------------------------------------------------------------------
 
-#: JSON of shapes and dtype lists, by value: a job repeats a few hundred distinct ones
-#: millions of times, and encoding is most of a single event's cost. Bounded; races are
-#: harmless (two threads store the same string).
-_JSON_CACHE: dict[tuple, str] = {}
-_JSON_CACHE_MAX = 8192
-
-
-def _cached_json(key: tuple, make: Any) -> str:
-    out = _JSON_CACHE.get(key)
-    if out is None:
-        if len(_JSON_CACHE) >= _JSON_CACHE_MAX:
-            _JSON_CACHE.clear()
-        out = _JSON_CACHE[key] = _dumps(make())
-    return out
-
-
-def _shapes_json(shapes: Any) -> str:
-    key = ("s", *(tuple(s.dims) for s in shapes))
-    return _cached_json(key, lambda: [list(k) for k in key[1:]])
-
-
-def _dtypes_json(dtypes: Any) -> str:
-    key = ("d", *dtypes)
-    return _cached_json(key, lambda: list(key[1:]))
-
-
-#: Strings already checked to be a JSON list of shapes (or of dtype names).
+#: Strings already checked to be a JSON list of shapes (or of dtype names); bounded.
+_VALID_MAX = 8192
 _VALID_SHAPES: set[str] = set()
 _VALID_DTYPES: set[str] = set()
 
@@ -138,11 +113,9 @@ def _check_json(text: str, what: str, seen: set[str]) -> None:
     if not ok:
         raise InvalidBatch(f"collectives.{what}: {text[:80]!r} is not a list of "
                            + ("shapes" if what.endswith("sizes") else "dtype names"))
-    if len(seen) < _JSON_CACHE_MAX:
+    if len(seen) < _VALID_MAX:
         seen.add(text)
 
-
-# -- collectives ----------------------------------------------------------------------------
 
 _INDEX_COLUMNS = ("job_id", "group", "op", "input_sizes", "input_dtypes", "output_sizes",
                   "output_dtypes", "state")
@@ -192,20 +165,6 @@ def _column_rows(block: events_pb2.CollectiveColumns) -> list[tuple]:
         block.enter_ns, [x or None for x in block.exit_ns], map(get, block.state),
         block.exit_estimated, block.step,
     ))
-
-
-def _event_row(ev: events_pb2.CollectiveEvent) -> tuple:
-    state = ev.state or "started"
-    if state not in COLLECTIVE_STATES:
-        raise InvalidBatch(f"collective.state: {state[:80]!r} not in {sorted(COLLECTIVE_STATES)}")
-    if not ev.job_id or len(ev.job_id) > JOB_ID_LEN or len(ev.group) > NAME_LEN \
-            or not ev.op or len(ev.op) > OP_LEN:
-        raise InvalidBatch("collective: job_id and op must be non-empty and job_id, group, op "
-                           f"at most {JOB_ID_LEN}, {NAME_LEN}, {OP_LEN} characters")
-    return (ev.job_id, ev.attempt, ev.rank, ev.group, ev.seq, ev.group_size, ev.op,
-            _shapes_json(ev.input_sizes), _dtypes_json(ev.input_dtypes),
-            _shapes_json(ev.output_sizes), _dtypes_json(ev.output_dtypes),
-            ev.enter_ns, ev.exit_ns or None, state, ev.exit_estimated, ev.step)
 
 
 _STAGE = "fleet_stage_collectives"
@@ -291,18 +250,22 @@ def _step_row(ev: events_pb2.StepEvent) -> dict[str, Any]:
 def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
     """Validate ``events`` and build their rows; ``InvalidBatch`` names the first problem."""
     out = PreparedBatch()
+    singles: list[events_pb2.CollectiveEvent] = []  # a run of single collectives, in order
     for i, event in enumerate(events):
         kind = event.WhichOneof("kind")
         try:
+            if kind == "collective":
+                singles.append(event.collective)
+                continue
+            if singles:
+                _add_singles(out, singles, i)
             if kind == "collectives":
                 rows = _column_rows(event.collectives)
                 out.collectives.extend(rows)
                 out.events += len(rows)
                 continue
             out.events += 1
-            if kind == "collective":
-                out.collectives.append(_event_row(event.collective))
-            elif kind == "step":
+            if kind == "step":
                 out.steps.append(_step_row(event.step))
             elif kind == "status":
                 ev = event.status
@@ -342,7 +305,21 @@ def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
             # An empty Event (no kind set) carries nothing to store.
         except InvalidBatch as exc:
             raise InvalidBatch(f"event {i}: {exc}") from None
+    if singles:
+        _add_singles(out, singles, len(events))
     return out
+
+
+def _add_singles(out: PreparedBatch, singles: list[events_pb2.CollectiveEvent], end: int) -> None:
+    """Rows of the single CollectiveEvents just before event ``end``; clears ``singles``."""
+    try:
+        rows = _column_rows(columns.pack(singles))
+    except InvalidBatch as exc:
+        raise InvalidBatch(f"events {end - len(singles)}..{end - 1} (single collectives): "
+                           f"{str(exc).replace('collectives.', 'collective.')}") from None
+    out.collectives.extend(rows)
+    out.events += len(rows)
+    singles.clear()
 
 
 def write(session: Session, batches: Sequence[PreparedBatch]) -> None:

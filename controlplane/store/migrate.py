@@ -33,7 +33,7 @@ from sqlalchemy import Connection, Engine, create_engine, inspect, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from controlplane.errors import ConfigError, FleetError, UnavailableError
-from controlplane.store.engine import _WRITE_OPTION, BUSY_TIMEOUT_S, make_engine
+from controlplane.store.engine import BUSY_TIMEOUT_S, WRITE_OPTION, make_engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 VERSION_TABLE = "alembic_version"
@@ -144,7 +144,7 @@ def _refuse_unknown(s: SchemaState) -> None:
 
 def inspect_schema(engine: Engine) -> SchemaState:
     """Where the store's schema stands; reads only."""
-    with _connect(engine.execution_options(**{_WRITE_OPTION: False})) as conn:
+    with _connect(engine.execution_options(**{WRITE_OPTION: False})) as conn:
         return _state(engine, conn)
 
 
@@ -199,12 +199,12 @@ def upgrade(engine: Engine) -> tuple[str | None, str]:
     written by a newer fleet, ``UnavailableError`` when the database cannot be reached.
     """
     target = head()
-    reader = engine.execution_options(**{_WRITE_OPTION: False})
+    reader = engine.execution_options(**{WRITE_OPTION: False})
     found = _fast_revision(reader)
     if found == target:
         return target, target
     # SQLite: BEGIN IMMEDIATE (see engine.py), so concurrent upgraders queue here.
-    writer = engine.execution_options(**{_WRITE_OPTION: True})
+    writer = engine.execution_options(**{WRITE_OPTION: True})
     try:
         with _connect(writer) as conn, conn.begin():
             if engine.dialect.name == "postgresql":

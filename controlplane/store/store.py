@@ -622,10 +622,19 @@ class Store:
         """Record events lost before the store; return the row's id.
 
         ``source``: "agent" (the agent lost them, e.g. its spill disk was full) or
-        "controller" (the controller refused a malformed batch)."""
+        "controller" (the controller refused a malformed batch). A report of batches
+        already recorded (an agent resends a DropReport whose stream broke) returns the
+        existing row's id."""
         if source not in DROP_SOURCES:
             raise ValueError(f"drop source {source!r} not in {sorted(DROP_SOURCES)}")
         with self._tx(write=True) as s:
+            if first_seq > 0:
+                known = s.scalar(select(IngestDrop.id).where(
+                    IngestDrop.agent_id == agent_id, IngestDrop.epoch == epoch,
+                    IngestDrop.first_seq == first_seq, IngestDrop.last_seq == last_seq,
+                    IngestDrop.source == source))
+                if known is not None:
+                    return known
             row = IngestDrop(agent_id=agent_id, node=node, epoch=epoch, first_seq=first_seq,
                              last_seq=last_seq, events=events, reason=reason, source=source,
                              at=time.time())

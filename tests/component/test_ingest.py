@@ -27,7 +27,7 @@ from controlplane.store.ingest import InvalidBatch, prepare
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests import ingest_controller
 from tests.component.conftest import TOKEN, start_server
-from workers import columns
+from fleet_proto import columns
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]
@@ -107,6 +107,16 @@ def test_completion_wins_over_start_in_any_order_within_and_across_blocks(store:
     store.record_batch("a", 1, 3, [_block([_coll(job_id, 0, 3, "failed")])])
     got = {c.seq: (c.state, c.exit_ns) for c in store.collectives(job_id)}
     assert got == {1: ("completed", 1007), 2: ("completed", 2007), 3: ("failed", 3007)}
+
+
+def test_an_invalid_single_collective_is_named_by_its_event_index(store: Store) -> None:
+    job_id, _ = _job(store)
+    bad = _coll(job_id, 0, 2, state="exploded")
+    events = [*_steps(job_id, 0, 1, 2), events_pb2.Event(collective=_coll(job_id, 0, 1)),
+              events_pb2.Event(collective=bad)]
+    with pytest.raises(InvalidBatch, match=r"events 2\.\.3 \(single collectives\): collective\.state"):
+        store.record_batch("a", 1, 1, events)
+    assert store.steps(job_id) == [] and store.collectives(job_id) == []
 
 
 def test_a_group_commit_applies_batches_in_order_and_skips_repeats(store: Store) -> None:

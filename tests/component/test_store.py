@@ -278,6 +278,9 @@ def test_ingest_drops(store: Store) -> None:
     assert d.at == pytest.approx(time.time(), abs=60)
     assert [x.node for x in store.ingest_drops()] == ["n1", "n2"]
     assert store.ingest_drops("n9") == []
+    # a DropReport sent again after a broken stream is recorded once
+    assert store.record_drop("agent-a", "n1", 3, 10, 12, 3000, "spill disk full", "agent") == first
+    assert len(store.ingest_drops("n1")) == 1
     with pytest.raises(ValueError, match="source"):
         store.record_drop("a", "n", 1, 1, 1, 1, "x", "gremlins")
 

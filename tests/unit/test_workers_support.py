@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
-from workers import columns
+from fleet_proto import columns
 from workers.ray_actor import WorkerActor
 
 

@@ -1,4 +1,5 @@
-"""Collectives on the wire, column by column (``CollectiveColumns``).
+"""Collectives on the wire, column by column (``CollectiveColumns``); hand-written, not
+generated: the codec of one message of the contract, shared by workers and controller.
 
 A rank reports thousands of collectives a minute and the controller stores them for
 thousands of ranks, so they travel as columns: the reporter packs a report's
