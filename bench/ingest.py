@@ -7,8 +7,10 @@ Every part is the real one, each in its own process, all on 127.0.0.1:
 
   * **controller**: ``ControllerServer`` with the real ``AgentServicer`` (validation, the
     single ``IngestWriter`` with group commits, acks after commit) over a ``Store`` on a
-    fresh SQLite file, or on a fresh database of a PostgreSQL server (a throwaway server
-    started from the Debian binaries, as the tests do, unless ``--postgres-url``);
+    fresh SQLite file (WAL, ``synchronous=NORMAL``), or on a fresh database of a
+    PostgreSQL server (a throwaway server started from the Debian binaries as the tests
+    do, but with fsync on and ``synchronous_commit=off``, the same durability as that
+    SQLite setting; or ``--postgres-url``);
   * **K synthetic agents**: each a real ``agent.uplink.Uplink`` streaming
     ``CollectiveColumns`` blocks of ``--block`` rows, which is what a node agent forwards
     from its workers' reports (``fleet_proto.columns.pack``), with distinct keys per agent.
@@ -305,7 +307,7 @@ def main() -> int:
             urls = iter([args.postgres_url] * args.runs)
         else:
             from tests.pg import PostgresServer
-            server = PostgresServer()
+            server = PostgresServer(crash_safe=True)
             server.start()
             urls = iter([server.create_database() for _ in range(args.runs)])
         try:

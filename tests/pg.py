@@ -67,7 +67,11 @@ def _conninfo(url: URL) -> str:
 class PostgresServer:
     """One PostgreSQL server for a test session; ``create_database()`` per test."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, crash_safe: bool = False) -> None:
+        """``crash_safe``: keep fsync and full-page writes on (benchmarks); commits still do
+        not wait for the disk (``synchronous_commit=off``, like SQLite's WAL with
+        ``synchronous=NORMAL``). Tests run with both off: faster, and they never crash the OS."""
+        self._crash_safe = crash_safe
         self._dir: Path | None = None
         self._bindir: Path | None = None
         self._as_user: list[str] = []
@@ -107,8 +111,9 @@ class PostgresServer:
         for _ in range(3):  # the free port may be taken between probing and binding
             port = _free_port()
             options = (f"-c listen_addresses=127.0.0.1 -p {port} -k {self._dir} "
-                       "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
-                       "-c max_connections=200")
+                       "-c synchronous_commit=off -c max_connections=200")
+            if not self._crash_safe:
+                options += " -c fsync=off -c full_page_writes=off"
             try:
                 self._run("pg_ctl", "-D", str(data), "-l", str(self._dir / "server.log"),
                           "-o", options, "-w", "-t", str(START_TIMEOUT_S), "start")

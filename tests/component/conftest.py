@@ -1,4 +1,5 @@
-"""Component tier: a real controller gRPC server on 127.0.0.1:0 over a real SQLite file."""
+"""Component tier: a real controller gRPC server on 127.0.0.1:0 over a real store, on
+both backends (a SQLite file and a database on a real PostgreSQL server)."""
 
 from __future__ import annotations
 
@@ -67,8 +68,9 @@ def start_server(store: Store, registry: AgentRegistry, port: int = 0) -> tuple[
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    with Store(f"sqlite:///{tmp_path}/fleet.db") as s:
+def store(store_url: str) -> Iterator[Store]:
+    """A fresh store, once per backend (SQLite file, real PostgreSQL)."""
+    with Store(store_url) as s:
         yield s
 
 

@@ -317,6 +317,7 @@ def test_an_event_over_the_message_limit_is_dropped_and_reported(tmp_path: Path)
         try:
             up.submit(_steps("j", 1, 1, 5) + [huge] + _steps("j", 1, 6, 5))
             assert up.flush(10), up.stats()
+            _wait(lambda: service.drops, what="the drop report to reach the server")
             stats = up.stats()
         finally:
             up.close()
@@ -340,6 +341,8 @@ def test_spill_left_by_an_earlier_run_is_reported_as_dropped_and_removed(tmp_pat
             up = _uplink(address, spill).start()
             try:
                 assert up.flush(10)
+                # flush returns once gRPC took the report; the server reads it a moment later
+                _wait(lambda: service.drops, what="the drop report to reach the server")
             finally:
                 up.close()
         assert [(d.epoch, d.first_seq, d.last_seq, d.events) for d in service.drops] == [(1234, 7, 9, 24)]
@@ -428,6 +431,8 @@ def test_failed_spill_writes_are_dropped_counted_and_reported(store, tmp_path: P
         proc.stdin.flush()
         final = _read_json_line(proc, 60)
         proc.communicate(timeout=30)
+        _wait(lambda: sum(d.events for d in store.ingest_drops() if d.agent_id == "agent-node-disk")
+              >= final["stats"]["dropped_events"], what="the drop reports to be stored")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
