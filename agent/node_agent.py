@@ -76,8 +76,22 @@ class _NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     def __init__(self, uplink: Uplink, mailboxes: _Mailboxes) -> None:
         self._uplink = uplink
         self._mailboxes = mailboxes
+        self._lock = threading.Lock()
+        self._worker_dropped: dict[tuple[str, int, int], int] = {}  # cumulative, per rank
+
+    def _note_worker_losses(self, request: agent_pb2.WorkerReport) -> None:
+        key = (request.job_id, request.attempt, request.rank)
+        with self._lock:
+            new = request.dropped_events - self._worker_dropped.get(key, 0)
+            if new > 0:
+                self._worker_dropped[key] = request.dropped_events
+        if new > 0:
+            self._uplink.report_loss(new, f"rank {request.rank} of job {request.job_id} (attempt "
+                                          f"{request.attempt}) dropped its oldest events: its "
+                                          "report buffer was full while this agent was unreachable")
 
     def Report(self, request: agent_pb2.WorkerReport, context: grpc.ServicerContext) -> agent_pb2.WorkerReply:
+        self._note_worker_losses(request)
         if request.events:
             try:
                 self._uplink.submit(list(request.events), timeout_s=5.0)

@@ -376,6 +376,12 @@ class Uplink:
             ))
         self._cond.notify_all()
 
+    def report_loss(self, n_events: int, reason: str) -> None:
+        """Record events lost before they reached this agent (e.g. a worker's buffer
+        overflowed): counted, logged, and sent to the controller as a DropReport."""
+        with self._cond:
+            self._drop(0, 0, n_events, reason)
+
     def _report_stale_spill(self) -> None:
         assert self._spool is not None
         for s in self._spool.take_stale():

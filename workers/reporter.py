@@ -21,7 +21,8 @@ Invariants:
     releases the GIL), which is exactly when the events matter.
   * Nothing is lost on a failed send: the batch goes back to the front of the buffer
     and is retried next tick. The buffer is bounded (``max_buffered``); beyond it the
-    oldest events are dropped and counted in ``dropped``.
+    oldest events are dropped and counted in ``dropped``, which every report carries so
+    that the agent records the loss with the controller.
   * The thread never dies silently: each tick's errors are caught and logged.
 
 With ``agent_address`` empty/None the reporter runs no thread and discards events
@@ -237,7 +238,7 @@ class Reporter:
         assert self._stub is not None
         report = agent_pb2.WorkerReport(
             job_id=self.spec.job_id, attempt=self.spec.attempt, rank=self.spec.rank,
-            events=columns.pack_events(batch))
+            events=columns.pack_events(batch), dropped_events=self.dropped)
         reply = self._stub.Report(report, timeout=timeout_s)
         self.sent += len(batch)
         for cmd in reply.commands:

@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerReport(_message.Message):
-    __slots__ = ("job_id", "attempt", "rank", "events")
+    __slots__ = ("job_id", "attempt", "rank", "events", "dropped_events")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
     rank: int
     events: _containers.RepeatedCompositeFieldContainer[_events_pb2.Event]
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ...) -> None: ...
+    dropped_events: int
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ..., dropped_events: _Optional[int] = ...) -> None: ...
 
 class WorkerReply(_message.Message):
     __slots__ = ("commands",)

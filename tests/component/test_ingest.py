@@ -18,6 +18,7 @@ import grpc
 import pytest
 from sqlalchemy import create_engine, text
 
+from agent.node_agent import NodeAgent
 from agent.uplink import Uplink
 from controlplane.agent_server import AgentRegistry
 from controlplane.cli.main import main
@@ -27,6 +28,8 @@ from controlplane.store.ingest import InvalidBatch, prepare
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests import ingest_controller
 from tests.component.conftest import TOKEN, start_server
+from workers.reporter import Reporter
+from workers.spec import WorkerSpec
 from fleet_proto import columns
 
 pytestmark = pytest.mark.timeout(180)
@@ -201,6 +204,32 @@ def test_a_refused_batch_is_recorded_as_dropped_and_the_stream_goes_on(
     assert [(d["node"], d["events"], d["source"]) for d in lost] == [("node-r", 1, "controller")]
     assert main(["replay", job_id, "--store", store_url]) == 0
     assert "1 events from nodes ['node-r'] never reached the store" in capsys.readouterr().out
+
+
+def test_events_a_worker_had_to_drop_are_recorded_with_the_controller(store: Store) -> None:
+    job_id, _ = _job(store)
+    server, _ = start_server(store, AgentRegistry())
+    agent = NodeAgent(node_name="node-w", controller_address=server.address, token=TOKEN,
+                      batch_interval_s=0.02)
+    try:
+        agent.start(connect_timeout_s=10)
+        spec = WorkerSpec(job_id=job_id, attempt=1, rank=3, world_size=4, node_name="node-w",
+                          master_addr="127.0.0.1", master_port=0, agent_address=agent.local_address,
+                          checkpoint_dir="/nonexistent", report_interval_s=30.0)
+        reporter = Reporter(spec, max_buffered=10)
+        for ev in _steps(job_id, 3, 1, 50):  # the buffer holds 10: the oldest are dropped
+            reporter.emit(ev)
+        reporter.close()
+        assert reporter.dropped >= 1 and reporter.sent + reporter.dropped == 50
+        assert agent.flush(20)
+        _wait(lambda: store.ingest_drops("node-w"), what="the loss to be recorded")
+    finally:
+        agent.close()
+        server.close()
+    (drop,) = store.ingest_drops("node-w")
+    assert (drop.events, drop.source) == (reporter.dropped, "agent")
+    assert "rank 3" in drop.reason and "buffer was full" in drop.reason
+    assert len(store.steps(job_id)) == reporter.sent
 
 
 def test_large_batches_are_stored_and_oversized_messages_refused_and_counted(store: Store) -> None:
