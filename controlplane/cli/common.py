@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from controlplane.errors import NotFoundError
+
 if TYPE_CHECKING:
     from controlplane.store import Store
 
@@ -27,15 +29,22 @@ StateDirOpt = Annotated[
 
 
 def open_store(store: str | None, cluster: Path | None) -> Store:
-    """The store named by --store, else by the cluster file's store.url."""
+    """The store named by --store, else by the cluster file's store.url, for reading: a
+    SQLite file that does not exist is an error (a typo must not create an empty store)."""
     # imported here: commands that need no store (replay --dumps) start faster
     from controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
     from controlplane.store import Store
+    from controlplane.store.engine import sqlite_file
 
     if store:
-        return Store(store)
-    if cluster is not None:
-        return Store(load_cluster_config(cluster).store.url)
-    if DEFAULT_CLUSTER_FILE.exists():
-        return Store(load_cluster_config(DEFAULT_CLUSTER_FILE).store.url)
-    return Store(DEFAULT_STORE_URL)
+        url, source = store, "--store"
+    elif cluster is not None:
+        url, source = load_cluster_config(cluster).store.url, f"{cluster}: store.url"
+    elif DEFAULT_CLUSTER_FILE.exists():
+        url, source = load_cluster_config(DEFAULT_CLUSTER_FILE).store.url, f"{DEFAULT_CLUSTER_FILE}: store.url"
+    else:
+        url, source = DEFAULT_STORE_URL, "the default store"
+    path = sqlite_file(url)
+    if path is not None and not path.exists():
+        raise NotFoundError(f"{source}: no store at {path} (nothing has run with it yet?)")
+    return Store(url)

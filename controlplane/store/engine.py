@@ -58,6 +58,12 @@ def _sqlite_file(url: URL) -> Path | None:
     return Path(db)
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite store URL; None for other databases and in-memory SQLite."""
+    parsed = parse_url(url)
+    return _sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
+
+
 def make_engine(url: str) -> tuple[Engine, Engine, bool]:
     """Return ``(read_engine, write_engine, single_connection)`` sharing one pool.
 

@@ -9,6 +9,7 @@ import pytest
 
 from controlplane.cli.main import main
 from controlplane.errors import ConfigError, NotFoundError, UnavailableError
+from controlplane.store import Store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,12 +49,23 @@ def test_up_with_unknown_key_names_key_and_line(capsys, tmp_path: Path) -> None:
 
 
 def test_jobs_json_on_an_empty_store(capsys, tmp_path: Path) -> None:
+    Store(f"sqlite:///{tmp_path}/x.db").close()
     code, out, err = _run(capsys, "jobs", "--store", f"sqlite:///{tmp_path}/x.db", "--json")
     assert code == 0, err
     assert json.loads(out) == []
 
 
+@pytest.mark.parametrize("command", ["jobs", "nodes", "replay"])
+def test_reading_a_store_that_does_not_exist_creates_nothing(capsys, tmp_path: Path, command: str) -> None:
+    args = [command, *(["j-x"] if command == "replay" else []), "--store", f"sqlite:///{tmp_path}/typo/x.db"]
+    code, out, err = _run(capsys, *args)
+    assert code == NotFoundError.exit_code
+    assert f"--store: no store at {tmp_path}/typo/x.db" in _one_line(out + err)
+    assert not (tmp_path / "typo").exists()
+
+
 def test_replay_of_unknown_job_is_not_found(capsys, tmp_path: Path) -> None:
+    Store(f"sqlite:///{tmp_path}/x.db").close()
     code, out, err = _run(capsys, "replay", "nope", "--store", f"sqlite:///{tmp_path}/x.db")
     assert code == NotFoundError.exit_code == 3
     line = _one_line(out + err)
