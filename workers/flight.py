@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
 from pathlib import Path
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from agent.tls import TlsFiles
 from controlplane.agent_server import AgentRegistry, AgentServicer
 from controlplane.control_server import ControlServicer
 from controlplane.errors import NotFoundError
@@ -57,12 +57,14 @@ class Controller:
         return self.server.address
 
 
-def start_server(store: Store, registry: AgentRegistry, port: int = 0) -> tuple[ControllerServer, StoreJobControl]:
+def start_server(store: Store, registry: AgentRegistry, port: int = 0,
+                 tls: TlsFiles | None = None) -> tuple[ControllerServer, StoreJobControl]:
     control = StoreJobControl(store)
     server = ControllerServer(
         AgentServicer(store, registry, TOKEN, controller_id="ctl-test"),
         ControlServicer(control, TOKEN),
         port=port,
+        tls=tls,
     ).start()
     return server, control
 

@@ -26,7 +26,7 @@ from controlplane.errors import ConfigError, UnavailableError
 from controlplane.grpc_server import ControllerServer
 from controlplane.lifecycle import JobState
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
-from tests.component.conftest import TOKEN, StoreJobControl
+from tests.component.conftest import TOKEN, StoreJobControl, start_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,11 +86,7 @@ class TlsController:
 @pytest.fixture
 def tls_controller(store, pki: Pki) -> Iterator[TlsController]:  # noqa: ANN001
     registry = AgentRegistry()
-    server = ControllerServer(
-        AgentServicer(store, registry, TOKEN, controller_id="ctl-tls"),
-        ControlServicer(StoreJobControl(store), TOKEN),
-        tls=pki.server,
-    ).start()
+    server, _ = start_server(store, registry, tls=pki.server)
     try:
         yield TlsController(store, registry, server)
     finally:
