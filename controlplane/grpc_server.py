@@ -24,6 +24,10 @@ from fleet_proto import agent_pb2, control_pb2_grpc
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 GRPC_LIMIT_FACTOR = 4
+#: Size of the gRPC thread pool. Every open agent stream holds one thread for its whole
+#: life (plus its own receiver thread), so this bounds the agents one controller serves;
+#: threads are started on demand, so an unused bound costs nothing.
+MAX_STREAMS = 1024
 
 
 def _agent_service(servicer: AgentServicer, max_message_bytes: int) -> grpc.GenericRpcHandler:
@@ -54,7 +58,7 @@ class ControllerServer:
         control_servicer: ControlServicer,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_workers: int = 64,
+        max_workers: int = MAX_STREAMS,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         tls: TlsFiles | None = None,
     ) -> None:

@@ -232,6 +232,25 @@ def test_events_a_worker_had_to_drop_are_recorded_with_the_controller(store: Sto
     assert len(store.steps(job_id)) == reporter.sent
 
 
+def test_a_controller_serves_many_agents_at_once(store: Store) -> None:
+    job_id, _ = _job(store)
+    registry = AgentRegistry()
+    server, _ = start_server(store, registry)
+    uplinks = []
+    try:
+        uplinks = [_uplink(server.address, f"node-{i:03d}") for i in range(150)]
+        assert all(up.wait_welcomed(30) for up in uplinks)
+        assert len(registry.connected_nodes()) == 150
+        for i, up in enumerate(uplinks):
+            up.submit(_steps(job_id, i, 1, 4))
+        assert all(up.flush(60) for up in uplinks)
+    finally:
+        for up in uplinks:
+            up.close()
+        server.close()
+    assert len(store.steps(job_id)) == 600
+
+
 def test_large_batches_are_stored_and_oversized_messages_refused_and_counted(store: Store) -> None:
     job_id, _ = _job(store)
     registry = AgentRegistry()
