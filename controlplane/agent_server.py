@@ -33,7 +33,7 @@ from controlplane.auth import TOKEN_METADATA_KEY, tokens_equal
 from controlplane.errors import UnavailableError
 from controlplane.ingest_writer import IngestWriter, Item
 from controlplane.metrics import ControllerMetrics
-from controlplane.store import Store
+from controlplane.store import HealthRecord, Store
 from controlplane.store.ingest import InvalidBatch, prepare
 
 #: What the AgentService deserializer returns for bytes that are not an AgentMessage,
@@ -228,10 +228,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                         return
                 elif kind == "heartbeat":
                     h = msg.heartbeat.host
-                    self._store.record_health(
+                    self.writer.put_health(HealthRecord(
                         session.node_name, msg.heartbeat.time_ns, h.cpu_percent, h.load1,
-                        h.mem_used_bytes, h.mem_total_bytes, h.workers_alive,
-                    )
+                        h.mem_used_bytes, h.mem_total_bytes, h.workers_alive))
                 elif kind == "drop":
                     self._record_agent_drop(session, msg.drop)
                 else:

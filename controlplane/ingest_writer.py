@@ -1,10 +1,11 @@
 """The store's single ingest writer: group commits of agent batches, acks after commit.
 
 Agent streams (``agent_server``) validate and convert each batch into rows on their own
-receiver threads, then ``put`` it here. One named thread takes everything queued (up to
-``max_group_events``) and commits it in one transaction, then acks each batch on its
-stream. One writer suits SQLite, which has one write lock, and on PostgreSQL it keeps the
-commit rate independent of the number of agents.
+receiver threads, then ``put`` it here; heartbeats' host samples come through
+``put_health``. One named thread takes everything queued (up to ``max_group_events``)
+and commits it in one transaction, then acks each batch on its stream; the health
+samples of the same round go in one more. One writer suits SQLite, which has one write
+lock, and on PostgreSQL it keeps the commit rate independent of the number of agents.
 
 Invariants:
 - A batch is acked only after the transaction holding it committed. Items of one stream
@@ -31,7 +32,7 @@ from typing import Protocol
 
 from controlplane.errors import UnavailableError
 from controlplane.metrics import ControllerMetrics
-from controlplane.store import Store
+from controlplane.store import HealthRecord, Store
 from controlplane.store.ingest import InvalidBatch, PreparedBatch
 from fleet_proto import agent_pb2
 
@@ -75,6 +76,7 @@ class IngestWriter:
         self._on_commit = on_commit
         self._cond = threading.Condition()
         self._queue: collections.deque[Item] = collections.deque()
+        self._health: list[HealthRecord] = []
         self._queued_events = 0
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="fleet-ingest-writer", daemon=True)
@@ -97,6 +99,12 @@ class IngestWriter:
             self._cond.notify_all()
             return True
 
+    def put_health(self, sample: HealthRecord) -> None:
+        """Queue one host health sample (never blocks: an agent sends one a second)."""
+        with self._cond:
+            self._health.append(sample)
+            self._cond.notify_all()
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Commit what is queued (bounded), then stop the thread."""
         with self._cond:
@@ -112,31 +120,35 @@ class IngestWriter:
 
     # -- the thread -----------------------------------------------------------------------
 
-    def _take(self) -> list[Item]:
+    def _take(self) -> tuple[list[Item], list[HealthRecord]]:
         with self._cond:
-            while not self._queue:
+            while not self._queue and not self._health:
                 if self._closing:
-                    return []
+                    return [], []
                 self._cond.wait(0.5)
             group, events = [], 0
             while self._queue and (not group or events + self._queue[0].events <= self._max_group):
                 item = self._queue.popleft()
                 group.append(item)
                 events += item.events
+            health, self._health = self._health, []
             self._queued_events -= events
             self._metrics.queued.set(self._queued_events)
             self._cond.notify_all()
-            return group
+            return group, health
 
     def _run(self) -> None:
         while True:
-            group = self._take()
-            if not group:
+            group, health = self._take()
+            if not group and not health:
                 return
             try:
-                self._commit(group)
+                if group:
+                    self._commit(group)
+                self._store.record_health_samples(health)
             except Exception:  # the writer must outlive anything one group does
-                log.exception("ingest writer: group of %d batches failed", len(group))
+                log.exception("ingest writer: group of %d batches and %d health samples failed",
+                              len(group), len(health))
                 for item in group:
                     item.stream.fail("the controller failed to store a batch")
 

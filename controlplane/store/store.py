@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import threading
@@ -388,11 +389,15 @@ class Store:
 
     def record_health(self, node: str, time_ns: int, cpu_percent: float, load1: float,
                       mem_used_bytes: int, mem_total_bytes: int, workers_alive: int) -> None:
+        self.record_health_samples([HealthRecord(node, time_ns, cpu_percent, load1, mem_used_bytes,
+                                                 mem_total_bytes, workers_alive)])
+
+    def record_health_samples(self, samples: Sequence[HealthRecord]) -> None:
+        """Store host health samples (one transaction for all)."""
+        if not samples:
+            return
         with self._tx(write=True) as s:
-            s.execute(HealthSample.__table__.insert(), [{
-                "node": node, "time_ns": time_ns, "cpu_percent": cpu_percent, "load1": load1,
-                "mem_used_bytes": mem_used_bytes, "mem_total_bytes": mem_total_bytes,
-                "workers_alive": workers_alive}])
+            s.execute(HealthSample.__table__.insert(), [dataclasses.asdict(h) for h in samples])
 
     def health_samples(self, node: str, since_ns: int = 0) -> list[HealthRecord]:
         """The node's health samples with ``time_ns >= since_ns``, oldest first."""
