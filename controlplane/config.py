@@ -292,6 +292,11 @@ class JobConfig(_Section):
     )
     max_restarts: int = Field(3, ge=0, le=1000, description="Attempts after the first before giving up.")
     restart_backoff_s: float = Field(1.0, ge=0, le=3600, description="Pause before each new attempt.")
+    capacity_wait_s: float = Field(
+        300.0, ge=0, le=86400,
+        description="Longest wait, before an attempt, for enough healthy (not quarantined) nodes; "
+        "`fleet release NODE` ends the wait. Then the job fails.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
 
     @property

@@ -29,8 +29,10 @@ from controlplane.detectors import Incident, attribute_failures, attribute_with_
 from controlplane.errors import FleetError, NotFoundError, StateError, UnavailableError
 from controlplane.grpc_server import ControllerServer
 from controlplane.lifecycle import AttemptState, JobState
+from controlplane.placement import choose_nodes
 from controlplane.replay import diagnose_attempt
 from controlplane.store import Store
+from controlplane.store.store import NODE_QUARANTINED
 from fleet_proto import control_pb2, events_pb2
 
 log = logging.getLogger(__name__)
@@ -209,7 +211,7 @@ class Controller:
                 raise UnavailableError(
                     f"job.nodes is {cfg.job.nodes} but the Ray cluster has {len(nodes)} alive node(s)"
                 )
-            nodes = nodes[: cfg.job.nodes]
+            # Every alive node gets an agent; each attempt is placed on healthy ones only.
             for n in nodes:
                 self.store.upsert_node(n.name, n.ray_node_id, n.address, f'{{"CPU": {n.cpus}}}')
 
@@ -244,10 +246,13 @@ class Controller:
 
         cfg = self.config
         ckpt_dir = str((Path(cfg.job.checkpoint_dir) / self.job_id).resolve())
-        placement = [n for n in nodes for _ in range(cfg.job.ranks_per_node)]
         first = True
         while True:
             self.store.set_job_state(self.job_id, JobState.PLACING, "placing worker group")
+            chosen = self._healthy_nodes(nodes)
+            if chosen is None:
+                return self._finish(JobState.STOPPED, self._stop_reason)
+            placement = [n for n in chosen for _ in range(cfg.job.ranks_per_node)]
             attempt = self.store.create_attempt(self.job_id)
             t = time.monotonic()
             group = self._group = WorkerGroup(placement)
@@ -302,6 +307,28 @@ class Controller:
             self._progress(decision.reason)
             if self._stop.wait(cfg.job.restart_backoff_s):
                 return self._finish(JobState.STOPPED, self._stop_reason)
+
+    def _healthy_nodes(self, nodes: list) -> list | None:  # noqa: ANN001 (orchestrator NodeInfo)
+        """The nodes of the next attempt: never a quarantined one. Waits (bounded by
+        ``job.capacity_wait_s``, showing why) while too few are healthy; None if stopped."""
+        wait_s = self.config.job.capacity_wait_s
+        deadline = time.monotonic() + wait_s
+        shown = ""
+        while True:
+            quarantined = {n.name: n.quarantine_reason for n in self.store.list_nodes()
+                           if n.state == NODE_QUARANTINED}
+            decision = choose_nodes([n.name for n in nodes], quarantined, self.config.job.nodes)
+            if decision.nodes:
+                by_name = {n.name: n for n in nodes}
+                return [by_name[name] for name in decision.nodes]
+            if time.monotonic() >= deadline:
+                raise UnavailableError(f"{decision.reason}; waited {wait_s:.0f} s (job.capacity_wait_s)")
+            if decision.reason != shown:
+                shown = decision.reason
+                self.store.set_job_reason(self.job_id, f"waiting: {decision.reason}")
+                self._progress(f"waiting for healthy nodes: {decision.reason} (fleet release NODE)")
+            if self._stop.wait(1.0):
+                return None
 
     def _attribute_by_trace(self, incident: Incident, attempt: int) -> Incident:
         """Let the attempt's collective traces name the culprit when no process died."""

@@ -27,6 +27,8 @@ app = typer.Typer(
 app.command("up")(up.up)
 app.command("jobs")(jobs.jobs)
 app.command("nodes")(nodes.nodes)
+app.command("quarantine")(nodes.quarantine)
+app.command("release")(nodes.release)
 app.command("replay")(replay.replay)
 app.command("inject-fault")(faults.inject_fault)
 app.command("model-info")(model.model_info)

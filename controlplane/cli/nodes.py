@@ -1,9 +1,15 @@
-"""`fleet nodes`: the nodes in the store, their health, quarantine, and lost events."""
+"""`fleet nodes`, `fleet quarantine`, `fleet release`: the nodes in the store, their health,
+quarantine and lost events."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
+
 from controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
-from controlplane.cli.render import err_console, fmt_time, print_json, print_table
+from controlplane.cli.render import console, err_console, fmt_time, print_json, print_table
+from controlplane.errors import ConfigError
 
 
 def nodes(store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt = False) -> None:
@@ -44,3 +50,29 @@ def nodes(store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt 
     if total:
         err_console.print(f"[yellow]warning:[/] {total} events never reached the store "
                           "(see the reason column; each loss is a row in ingest_drops)")
+
+
+def quarantine(
+    node: Annotated[str, typer.Argument(help="Node name, as `fleet nodes` lists it.")],
+    reason: Annotated[str, typer.Option("--reason", help="Why (stored and shown by `fleet nodes`).")],
+    store: StoreOpt = None, cluster: ClusterOpt = None,
+) -> None:
+    """Take a node out of placement: no attempt starts on it until `fleet release`. Kept in
+    the store, so it outlives the controller; a running attempt is not moved."""
+    if not reason.strip():
+        raise ConfigError("--reason must say why the node is quarantined")
+    with open_store(store, cluster) as st:
+        st.quarantine_node(node, reason.strip())
+        record = next(n for n in st.list_nodes() if n.name == node)
+    console.print(f"{node} quarantined since {fmt_time(record.quarantined_since)}: "
+                  f"{record.quarantine_reason}", highlight=False)
+
+
+def release(
+    node: Annotated[str, typer.Argument(help="Node name, as `fleet nodes` lists it.")],
+    store: StoreOpt = None, cluster: ClusterOpt = None,
+) -> None:
+    """Return a quarantined node to placement."""
+    with open_store(store, cluster) as st:
+        st.release_node(node)
+    console.print(f"{node} released: healthy, available to new attempts", highlight=False)

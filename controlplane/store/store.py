@@ -185,6 +185,12 @@ class Store:
             s.add(Transition(job_id=job_id, attempt=None, entity="job", from_state=old.value,
                              to_state=state.value, reason=reason, at=now))
 
+    def set_job_reason(self, job_id: str, reason: str) -> None:
+        """Say why the job is where it is (e.g. what it waits for), without a state change."""
+        with self._tx(write=True) as s:
+            job = self._job(s, job_id, lock=True)
+            job.reason, job.updated_at = reason, time.time()
+
     def _job_query(self):
         steps = (select(func.coalesce(func.max(Step.step), 0))
                  .where(Step.job_id == Job.id).scalar_subquery())

@@ -352,3 +352,45 @@ def test_fleet_up_attaches_to_an_existing_ray_cluster(tmp_path: Path) -> None:
             ray.shutdown()
     finally:
         cluster.shutdown()
+
+
+def _cluster_with(tmp: Path, ray_nodes: int, **job: object) -> Path:
+    path = write_cluster(tmp, **job)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["ray"]["nodes"] = ray_nodes
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _quarantine_ahead(tmp: Path, node: str, reason: str) -> None:
+    """What `fleet quarantine` leaves in the store before this `fleet up` starts."""
+    with store_of(tmp) as st:
+        st.upsert_node(node, "", "127.0.0.1", "{}")
+        st.quarantine_node(node, reason)
+
+
+def test_no_attempt_is_placed_on_a_quarantined_node(tmp_path: Path) -> None:
+    _quarantine_ahead(tmp_path, "node-0", "bad GPU")
+    cluster = _cluster_with(tmp_path, 3, steps=30, checkpoint_interval=10)
+    run = FleetUp(tmp_path, cluster)
+    summary = run.finish()
+    run.assert_tree_gone()
+    assert summary["state"] == "SUCCEEDED"
+    with store_of(tmp_path) as st:
+        ranks = st.ranks(summary["job_id"], 1)
+        nodes = {n.name: n for n in st.list_nodes()}
+    assert {r.node for r in ranks} == {"node-1", "node-2"} and len(ranks) == 4
+    assert (nodes["node-0"].state, nodes["node-0"].quarantine_reason) == ("quarantined", "bad GPU")
+
+
+def test_too_few_healthy_nodes_waits_then_fails_naming_the_quarantined_ones(tmp_path: Path) -> None:
+    _quarantine_ahead(tmp_path, "node-1", "crashed twice")
+    cluster = _cluster_with(tmp_path, 2, steps=30, checkpoint_interval=10, capacity_wait_s=3)
+    run = FleetUp(tmp_path, cluster)
+    out, err = run.proc.communicate(timeout=240)
+    assert run.proc.returncode != 0
+    assert "node-1 (crashed twice)" in err and "job.capacity_wait_s" in err
+    with store_of(tmp_path) as st:
+        (job,) = st.list_jobs()
+        assert job.state == JobState.FAILED and job.attempts == 0
+        assert "node-1 (crashed twice)" in job.reason

@@ -1,0 +1,47 @@
+"""`fleet quarantine` / `fleet release` / `fleet nodes` on both store backends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from controlplane.cli.main import main
+from controlplane.errors import ConfigError, NotFoundError
+from controlplane.store import Store
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _nodes(capsys: pytest.CaptureFixture, url: str) -> dict[str, dict]:
+    capsys.readouterr()
+    assert main(["nodes", "--store", url, "--json"]) == 0
+    return {n["name"]: n for n in json.loads(capsys.readouterr().out)}
+
+
+def test_quarantine_is_stored_shown_and_reversible(store_url: str, capsys: pytest.CaptureFixture) -> None:
+    with Store(store_url) as st:
+        for name in ("node-0", "node-1"):
+            st.upsert_node(name, f"ray-{name}", "127.0.0.1", "{}")
+    assert main(["quarantine", "node-1", "--reason", "crashed twice in 10 min", "--store", store_url]) == 0
+    assert "node-1 quarantined since" in capsys.readouterr().out
+    nodes = _nodes(capsys, store_url)
+    assert (nodes["node-1"]["state"], nodes["node-1"]["quarantine_reason"]) == ("quarantined", "crashed twice in 10 min")
+    assert nodes["node-1"]["quarantined_since"] and nodes["node-0"]["state"] == "healthy"
+    # persisted: a fresh Store (a restarted controller) sees it, and re-registering keeps it
+    with Store(store_url) as st:
+        st.upsert_node("node-1", "ray-node-1-new", "127.0.0.1", "{}")
+        (n1,) = [n for n in st.list_nodes() if n.name == "node-1"]
+        assert n1.state == "quarantined"
+    assert main(["release", "node-1", "--store", store_url]) == 0
+    nodes = _nodes(capsys, store_url)
+    assert (nodes["node-1"]["state"], nodes["node-1"]["quarantine_reason"]) == ("healthy", "")
+
+
+def test_bad_quarantine_requests_are_one_line_errors(store_url: str, capsys: pytest.CaptureFixture) -> None:
+    Store(store_url).close()
+    assert main(["quarantine", "node-7", "--reason", "x", "--store", store_url]) == NotFoundError.exit_code
+    assert "node-7" in capsys.readouterr().err
+    assert main(["quarantine", "node-7", "--reason", "  ", "--store", store_url]) == ConfigError.exit_code
+    assert "--reason" in capsys.readouterr().err
+    assert main(["release", "node-7", "--store", store_url]) == NotFoundError.exit_code

@@ -1,0 +1,25 @@
+"""Placement never uses a quarantined node (pure decision)."""
+
+from __future__ import annotations
+
+from controlplane.placement import choose_nodes
+
+ALIVE = ["node-0", "node-1", "node-2"]
+
+
+def test_takes_the_first_healthy_nodes_in_order() -> None:
+    assert choose_nodes(ALIVE, {}, 2).nodes == ("node-0", "node-1")
+    assert choose_nodes(ALIVE, {"node-0": "crashed twice"}, 2).nodes == ("node-1", "node-2")
+    assert choose_nodes(ALIVE, {"node-1": "slow"}, 2).nodes == ("node-0", "node-2")
+
+
+def test_not_enough_healthy_nodes_says_which_are_quarantined_and_why() -> None:
+    d = choose_nodes(ALIVE, {"node-0": "SDC on GPU 3", "node-2": "straggler"}, 2)
+    assert d.nodes == ()
+    assert d.reason == ("the job needs 2 healthy node(s) and 1 of the 3 alive are; quarantined: "
+                        "node-0 (SDC on GPU 3), node-2 (straggler)")
+
+
+def test_quarantine_of_a_node_that_is_not_alive_changes_nothing() -> None:
+    assert choose_nodes(ALIVE, {"node-9": "gone"}, 3).nodes == tuple(ALIVE)
+    assert "quarantined: none" in choose_nodes(["node-0"], {}, 2).reason
