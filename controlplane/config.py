@@ -346,6 +346,36 @@ class JobConfig(_Section):
         return self
 
 
+#: Kinds of incident the controller records (``detectors.Incident.kind``).
+INCIDENT_KINDS = frozenset({"crash", "error", "hang", "desync"})
+
+
+class PolicyConfig(_Section):
+    """When the controller takes a node out of placement by itself."""
+
+    quarantine_after_incidents: int = Field(
+        2, ge=0, le=1000,
+        description="Quarantine a node once this many incidents of `quarantine_kinds` were blamed on it "
+        "within `quarantine_window_s` (counted across jobs); 0 = never automatically.",
+    )
+    quarantine_window_s: float = Field(
+        3600.0, gt=0, le=30 * 86400, description="The window those incidents are counted in, seconds.")
+    quarantine_kinds: list[str] = Field(
+        default_factory=lambda: ["crash", "hang"],
+        description="Incident kinds that count: crash (a rank's process died) and hang (the flight "
+        "recorder named a rank that never entered a collective) point at hardware; error and desync "
+        "follow the code, not the node.",
+    )
+
+    @field_validator("quarantine_kinds")
+    @classmethod
+    def _known_kinds(cls, kinds: list[str]) -> list[str]:
+        unknown = sorted(set(kinds) - INCIDENT_KINDS)
+        if unknown:
+            raise ValueError(f"unknown incident kind(s) {unknown}; known: {sorted(INCIDENT_KINDS)}")
+        return kinds
+
+
 class ClusterConfig(_Section):
     """Top level of cluster.yaml."""
 
@@ -358,6 +388,7 @@ class ClusterConfig(_Section):
     store: StoreConfig = Field(default_factory=StoreConfig, description="SQL store.")
     agent: AgentConfig = Field(default_factory=AgentConfig, description="Node agents.")
     job: JobConfig = Field(default_factory=JobConfig, description="The training job.")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Automatic quarantine.")
 
     @model_validator(mode="after")
     def _ordering(self) -> ClusterConfig:

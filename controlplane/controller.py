@@ -30,6 +30,7 @@ from controlplane.errors import FleetError, NotFoundError, StateError, Unavailab
 from controlplane.grpc_server import ControllerServer
 from controlplane.lifecycle import AttemptState, JobState
 from controlplane.placement import choose_nodes
+from controlplane.policy import decide_quarantine
 from controlplane.replay import diagnose_attempt
 from controlplane.store import Store
 from controlplane.store.store import NODE_QUARANTINED
@@ -296,6 +297,7 @@ class Controller:
                 self.job_id, attempt, incident.kind, incident.detector, incident.evidence,
                 rank=incident.rank, node=incident.node,
             )
+            self._maybe_quarantine(incident.node, attempt)
             self.store.set_attempt_final_step(self.job_id, attempt, self.store.last_step(self.job_id, attempt))
             self.store.set_attempt_state(self.job_id, attempt, AttemptState.FAILED, incident.evidence)
             decision = decide_restart(self._restarts, cfg.job.max_restarts, incident)
@@ -307,6 +309,18 @@ class Controller:
             self._progress(decision.reason)
             if self._stop.wait(cfg.job.restart_backoff_s):
                 return self._finish(JobState.STOPPED, self._stop_reason)
+
+    def _maybe_quarantine(self, node: str | None, attempt: int) -> None:
+        """Quarantine ``node`` when the policy says its incidents point at the hardware."""
+        if not node:
+            return
+        policy, now = self.config.policy, time.time()
+        history = self.store.incidents_on_node(node, now - policy.quarantine_window_s)
+        decision = decide_quarantine(now, node, history, policy)
+        if decision.quarantine:
+            self.store.quarantine_node(node, decision.reason)
+            self.store.record_action(self.job_id, attempt, "quarantine", decision.reason)
+            self._progress(f"quarantined {node}: {decision.reason}")
 
     def _healthy_nodes(self, nodes: list) -> list | None:  # noqa: ANN001 (orchestrator NodeInfo)
         """The nodes of the next attempt: never a quarantined one. Waits (bounded by

@@ -394,3 +394,34 @@ def test_too_few_healthy_nodes_waits_then_fails_naming_the_quarantined_ones(tmp_
         (job,) = st.list_jobs()
         assert job.state == JobState.FAILED and job.attempts == 0
         assert "node-1 (crashed twice)" in job.reason
+
+
+def test_repeated_crashes_on_a_node_quarantine_it_and_a_spare_takes_over(tmp_path: Path) -> None:
+    cluster = _cluster_with(tmp_path, 3, steps=40, checkpoint_interval=10)
+    run = FleetUp(tmp_path, cluster)
+    run.wait_until(lambda: controller_job(tmp_path), 120, "the controller to start")
+    job_id = controller_job(tmp_path)
+    assert inject_fault(run, job_id, "crash", rank=0, at_step=15)["node"] == "node-0"
+
+    def second_attempt_running() -> bool:
+        with store_of(tmp_path) as st:
+            attempts = st.get_attempts(job_id)
+        return len(attempts) == 2 and attempts[1].state == AttemptState.RUNNING
+
+    run.wait_until(second_attempt_running, 180, "the second attempt to run")
+    assert inject_fault(run, job_id, "crash", rank=0, at_step=0)["node"] == "node-0"
+    summary = run.finish()
+    run.assert_tree_gone()
+
+    assert summary["state"] == "SUCCEEDED" and summary["final_step"] == 40
+    with store_of(tmp_path) as st:
+        nodes = {n.name: n for n in st.list_nodes()}
+        placed = [{r.node for r in st.ranks(job_id, a)} for a in (1, 2, 3)]
+        actions = [(a.kind, a.attempt) for a in st.actions(job_id) if a.kind in ("quarantine", "restart")]
+        incidents = [(i.kind, i.rank, i.node) for i in st.incidents(job_id)]
+    assert incidents == [("crash", 0, "node-0"), ("crash", 0, "node-0")]
+    assert nodes["node-0"].state == "quarantined"
+    assert nodes["node-0"].quarantine_reason.startswith("2 incidents on node-0")
+    assert placed == [{"node-0", "node-1"}, {"node-0", "node-1"}, {"node-1", "node-2"}]
+    # quarantined exactly when the policy says: after the second incident, not the first
+    assert actions == [("restart", 1), ("quarantine", 2), ("restart", 2)]
