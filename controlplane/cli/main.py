@@ -12,7 +12,7 @@ import traceback
 
 import typer
 
-from controlplane.cli import db, faults, jobs, model, nodes, replay, up
+from controlplane.cli import db, faults, jobs, model, nodes, replay, report, up
 from controlplane.cli.render import err_console
 from controlplane.errors import FleetError
 
@@ -30,6 +30,7 @@ app.command("nodes")(nodes.nodes)
 app.command("quarantine")(nodes.quarantine)
 app.command("release")(nodes.release)
 app.command("replay")(replay.replay)
+app.command("report")(report.report)
 app.command("inject-fault")(faults.inject_fault)
 app.command("model-info")(model.model_info)
 app.add_typer(db.app, name="db")

@@ -425,3 +425,17 @@ def test_repeated_crashes_on_a_node_quarantine_it_and_a_spare_takes_over(tmp_pat
     assert placed == [{"node-0", "node-1"}, {"node-0", "node-1"}, {"node-1", "node-2"}]
     # quarantined exactly when the policy says: after the second incident, not the first
     assert actions == [("restart", 1), ("quarantine", 2), ("restart", 2)]
+
+    out = subprocess.run([*FLEET, "report", job_id, "--json"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert (report["state"], report["final_step"], report["restarts"], report["attempts"]) == \
+        ("SUCCEEDED", 40, 2, 3)
+    assert 0 < report["ettr"] < 1 and report["quarantined_nodes"] == ["node-0"]
+    assert [(i["kind"], i["rank"], i["node"]) for i in report["incidents"]] == [("crash", 0, "node-0")] * 2
+    assert all(i["detected_after_s"] >= 0 and i["recovery_s"] > 0 for i in report["incidents"])
+    assert report["lost_s"]["restart_s"] > 0 and report["lost_s"]["recomputed_s"] > 0
+    text = subprocess.run([*FLEET, "report", job_id], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert text.returncode == 0 and "ETTR" in text.stdout and "quarantine:" in text.stdout

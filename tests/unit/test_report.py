@@ -1,0 +1,73 @@
+"""`fleet report`'s arithmetic on literal records (no store)."""
+
+from __future__ import annotations
+
+from controlplane.lifecycle import AttemptState, JobState
+from controlplane.report import job_report
+from controlplane.store import (
+    ActionRecord,
+    AttemptRecord,
+    CheckpointRecord,
+    IncidentRecord,
+    JobRecord,
+    NodeRecord,
+    StepRecord,
+)
+
+
+def _step(attempt: int, step: int, end_s: float, rank: int = 0, dur: float = 1.0) -> StepRecord:
+    return StepRecord(job_id="j", attempt=attempt, rank=rank, step=step, loss=1.0, step_time_s=dur,
+                      tokens_per_s=1.0, end_ns=int(end_s * 1e9))
+
+
+def test_a_crash_at_step_15_restored_from_10() -> None:
+    job = JobRecord(id="j", name="demo", state=JobState.SUCCEEDED, total_steps=30, steps_completed=30,
+                    attempts=2, created_at=1000.0, ended_at=1100.0, reason="", config_json="{}")
+    attempts = [AttemptRecord("j", 1, AttemptState.FAILED, 1000.5, 1018.0, 0, 15, "crash"),
+                AttemptRecord("j", 2, AttemptState.SUCCEEDED, 1018.5, 1041.0, 10, 30, "")]
+    steps = [_step(1, k, 1002 + k) for k in range(1, 16)]          # steps 1..15, 1 s each
+    steps += [_step(1, 3, 1005.5, rank=1, dur=1.5)]                 # rank 1 was slower on step 3
+    steps += [_step(2, k, 1010 + k) for k in range(11, 31)]         # steps 11..30 again from 10
+    incidents = [IncidentRecord(1, "j", 1, "crash", 0, "node-0", "crash", "rank 0 died", 1018.0)]
+    actions = [ActionRecord(1, "j", 1, "restart", "crash of rank 0", 1018.0),
+               ActionRecord(2, "j", 1, "quarantine", "2 incidents on node-0", 1018.1)]
+    ckpts = [CheckpointRecord("j", 1, 10, "/c/10", "x", 0.5, True, 1013.0),
+             CheckpointRecord("j", 2, 20, "/c/20", "y", 0.5, True, 1031.0)]
+    nodes = [NodeRecord("node-0", "r0", "h", "{}", "quarantined", "2 incidents", 1018.1, 1100.0),
+             NodeRecord("node-1", "r1", "h", "{}", "quarantined", "old", 900.0, 1100.0)]
+    out = job_report(job, attempts, steps, incidents, actions, ckpts, nodes, now=2000.0)
+    # kept: attempt 1's steps 1..10 (step 3 took 1.5 s on rank 1) and attempt 2's 11..30
+    assert out["productive_s"] == 30.5 and out["wall_s"] == 100.0 and out["ettr"] == 0.305
+    assert out["lost_s"] == {"startup_s": 2.0, "detection_s": 1.0, "restart_s": 2.0,
+                             "recomputed_s": 5.0, "checkpointing_s": 1.0, "other_s": 58.5}
+    (inc,) = out["incidents"]
+    assert (inc["kind"], inc["rank"], inc["node"], inc["detected_after_s"], inc["recovery_s"]) == \
+        ("crash", 0, "node-0", 1.0, 3.0)
+    assert (out["state"], out["final_step"], out["attempts"], out["restarts"]) == ("SUCCEEDED", 30, 2, 1)
+    assert out["quarantined_nodes"] == ["node-0"]  # node-1 was quarantined before this job
+    assert out["quarantines"] == ["2 incidents on node-0"]
+
+
+def test_a_running_job_with_no_steps_yet() -> None:
+    job = JobRecord(id="j", name="demo", state=JobState.PLACING, total_steps=30, steps_completed=0,
+                    attempts=0, created_at=1000.0, ended_at=None, reason="", config_json="{}")
+    out = job_report(job, [], [], [], [], [], [], now=1010.0)
+    assert out["ettr"] == 0.0 and out["wall_s"] == 10.0 and out["incidents"] == []
+    assert out["lost_s"]["other_s"] == 10.0
+
+
+def test_an_attempt_that_fails_before_its_first_step() -> None:
+    job = JobRecord(id="j", name="demo", state=JobState.SUCCEEDED, total_steps=5, steps_completed=5,
+                    attempts=3, created_at=0.0, ended_at=40.0, reason="", config_json="{}")
+    attempts = [AttemptRecord("j", 1, AttemptState.FAILED, 0.5, 10.0, 0, 3, ""),
+                AttemptRecord("j", 2, AttemptState.FAILED, 12.0, 14.0, 0, 0, ""),
+                AttemptRecord("j", 3, AttemptState.SUCCEEDED, 16.0, 40.0, 0, 5, "")]
+    steps = [_step(1, k, 1 + k) for k in (1, 2, 3)] + [_step(3, k, 19 + k) for k in range(1, 6)]
+    incidents = [IncidentRecord(1, "j", 1, "crash", 0, "n0", "crash", "", 10.0),
+                 IncidentRecord(2, "j", 2, "crash", 0, "n0", "crash", "", 15.0)]
+    out = job_report(job, attempts, steps, incidents, [], [], [], now=40.0)
+    first, second = out["incidents"]
+    assert (first["detected_after_s"], first["recovery_s"]) == (6.0, 10.0)   # step 1 of attempt 3 ends at 20
+    assert (second["detected_after_s"], second["recovery_s"]) == (3.0, 5.0)  # attempt 2 started at 12
+    # restart: 10 -> 15 (the next incident takes over), then 15 -> 19; never counted twice
+    assert out["lost_s"]["restart_s"] == 9.0 and out["lost_s"]["recomputed_s"] == 3.0
