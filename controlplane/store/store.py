@@ -435,18 +435,20 @@ class Store:
         with self._tx(write=False) as s:
             rows = s.scalars(select(Incident).where(Incident.job_id == job_id)
                              .order_by(Incident.id)).all()
-            return [IncidentRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, kind=r.kind,
-                                   rank=r.rank, node=r.node, detector=r.detector,
-                                   evidence=r.evidence, detected_at=r.detected_at) for r in rows]
+            return [self._incident_record(r) for r in rows]
+
+    @staticmethod
+    def _incident_record(r: Incident) -> IncidentRecord:
+        return IncidentRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, kind=r.kind, rank=r.rank,
+                              node=r.node, detector=r.detector, evidence=r.evidence,
+                              detected_at=r.detected_at)
 
     def incidents_on_node(self, node: str, since: float) -> list[IncidentRecord]:
         """Incidents blamed on ``node`` (any job) detected at or after ``since``, oldest first."""
         with self._tx(write=False) as s:
             rows = s.scalars(select(Incident).where(Incident.node == node, Incident.detected_at >= since)
                              .order_by(Incident.detected_at, Incident.id)).all()
-            return [IncidentRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, kind=r.kind,
-                                   rank=r.rank, node=r.node, detector=r.detector,
-                                   evidence=r.evidence, detected_at=r.detected_at) for r in rows]
+            return [self._incident_record(r) for r in rows]
 
     def record_action(self, job_id: str, attempt: int, kind: str, cause: str) -> int:
         """Store an action (restart, quarantine, rollback, stop, inject_fault, ...); return its id."""

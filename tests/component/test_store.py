@@ -414,3 +414,14 @@ def test_throughput_report(store: Store, job: str, capsys: pytest.CaptureFixture
               f"{same:,.0f} events/s (start+completion in one batch), "
               f"{cross:,.0f} events/s (completions in a later batch)")
     assert len(store.collectives(job)) == n_batches * ops + n_batches // 2 * size
+
+
+def test_incidents_on_a_node_span_jobs_and_respect_the_window(store: Store, job: str) -> None:
+    other = store.create_job("other", total_steps=10, config_json="{}")
+    t0 = time.time()
+    store.record_incident(job, 1, "crash", "crash", "rank 0 died", rank=0, node="node-0")
+    store.record_incident(other, 1, "hang", "flight-recorder", "rank 2 never entered", rank=2, node="node-0")
+    store.record_incident(job, 1, "crash", "crash", "rank 3 died", rank=3, node="node-1")
+    got = store.incidents_on_node("node-0", since=t0 - 1)
+    assert [(i.job_id, i.kind, i.rank) for i in got] == [(job, "crash", 0), (other, "hang", 2)]
+    assert store.incidents_on_node("node-0", since=time.time() + 60) == []
