@@ -34,7 +34,7 @@ from controlplane.errors import UnavailableError
 from controlplane.ingest_writer import IngestWriter, Item
 from controlplane.metrics import ControllerMetrics
 from controlplane.store import HealthRecord, Store
-from controlplane.store.ingest import InvalidBatch, prepare
+from controlplane.store.ingest import InvalidBatch, count_events, prepare
 
 #: What the AgentService deserializer returns for bytes that are not an AgentMessage,
 #: and for a message over the size limit.
@@ -256,10 +256,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             rows, rejected = prepare(batch.events), ""
         except InvalidBatch as exc:
             rows, rejected = None, str(exc)
-        events = rows.events if rows is not None else sum(
-            len(e.collectives.job_id) if e.WhichOneof("kind") == "collectives" else 1
-            for e in batch.events)
-        item = Item(session, batch.epoch, batch.seq, rows, events, rejected)
+        item = Item(session, batch.epoch, batch.seq, rows, count_events(batch.events), rejected)
         while not self.writer.put(item, timeout_s=0.5):
             if session.done.is_set():
                 return False

@@ -32,8 +32,7 @@ from controlplane.lifecycle import AttemptState, JobState
 from controlplane.placement import choose_nodes
 from controlplane.policy import decide_quarantine
 from controlplane.replay import diagnose_attempt
-from controlplane.store import Store
-from controlplane.store.store import NODE_QUARANTINED
+from controlplane.store import NODE_QUARANTINED, Store
 from fleet_proto import control_pb2, events_pb2
 
 log = logging.getLogger(__name__)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from controlplane.store import (
+    NODE_QUARANTINED,
     ActionRecord,
     AttemptRecord,
     CheckpointRecord,
@@ -109,7 +110,7 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
     lost = {"startup_s": startup, "detection_s": detection, "restart_s": restart,
             "recomputed_s": recomputed, "checkpointing_s": checkpointing}
     lost["other_s"] = max(wall - productive - sum(lost.values()), 0.0)
-    quarantined = sorted(n.name for n in nodes if n.state == "quarantined" and n.quarantined_since
+    quarantined = sorted(n.name for n in nodes if n.state == NODE_QUARANTINED and n.quarantined_since
                          and job.created_at <= n.quarantined_since <= end_of_job)
     return {
         "job": job.id, "name": job.name, "state": job.state.value,

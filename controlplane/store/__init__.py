@@ -21,9 +21,10 @@ from controlplane.store.records import (
     TransitionRecord,
     WorkerStatusRecord,
 )
-from controlplane.store.store import Store
+from controlplane.store.store import NODE_QUARANTINED, Store
 
 __all__ = [
+    "NODE_QUARANTINED",
     "ActionRecord",
     "AttemptRecord",
     "CheckpointRecord",

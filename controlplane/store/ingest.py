@@ -27,6 +27,7 @@ Row invariants:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import time
@@ -170,6 +171,7 @@ def _column_rows(block: events_pb2.CollectiveColumns) -> list[tuple]:
 _STAGE = "fleet_stage_collectives"
 
 
+@functools.cache
 def collective_upsert_sql(dialect_name: str) -> str:
     """The one statement collective rows go through.
 
@@ -192,7 +194,7 @@ def _merged(rows: list[tuple]) -> list[tuple]:
 
     One statement may not touch a row twice on PostgreSQL; a start and its completion
     in the same batch are common, so they are merged here first."""
-    keys = list(zip(*list(zip(*rows))[:5]))
+    keys = [row[:len(_KEY)] for row in rows]
     if len(set(keys)) == len(keys):
         return rows
     state_at = COLLECTIVE_COLUMNS.index("state")
@@ -247,9 +249,16 @@ def _step_row(ev: events_pb2.StepEvent) -> dict[str, Any]:
     }
 
 
+def count_events(events: Sequence[events_pb2.Event]) -> int:
+    """Events in a batch as the store counts them: a ``CollectiveColumns`` block counts
+    as its rows, any other event as one."""
+    return sum(len(e.collectives.job_id) if e.WhichOneof("kind") == "collectives" else 1
+               for e in events)
+
+
 def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
     """Validate ``events`` and build their rows; ``InvalidBatch`` names the first problem."""
-    out = PreparedBatch()
+    out = PreparedBatch(events=count_events(events))
     singles: list[events_pb2.CollectiveEvent] = []  # a run of single collectives, in order
     for i, event in enumerate(events):
         kind = event.WhichOneof("kind")
@@ -260,12 +269,8 @@ def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
             if singles:
                 _add_singles(out, singles, i)
             if kind == "collectives":
-                rows = _column_rows(event.collectives)
-                out.collectives.extend(rows)
-                out.events += len(rows)
-                continue
-            out.events += 1
-            if kind == "step":
+                out.collectives.extend(_column_rows(event.collectives))
+            elif kind == "step":
                 out.steps.append(_step_row(event.step))
             elif kind == "status":
                 ev = event.status
@@ -318,7 +323,6 @@ def _add_singles(out: PreparedBatch, singles: list[events_pb2.CollectiveEvent], 
         raise InvalidBatch(f"events {end - len(singles)}..{end - 1} (single collectives): "
                            f"{str(exc).replace('collectives.', 'collective.')}") from None
     out.collectives.extend(rows)
-    out.events += len(rows)
     singles.clear()
 
 

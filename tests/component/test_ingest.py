@@ -24,7 +24,8 @@ from controlplane.agent_server import AgentRegistry
 from controlplane.cli.main import main
 from controlplane.lifecycle import JobState
 from controlplane.store import Store
-from controlplane.store.ingest import InvalidBatch, prepare
+from controlplane.store.ingest import COLLECTIVE_COLUMNS, InvalidBatch, prepare
+from controlplane.store.schema import Collective
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests import ingest_controller
 from tests.component.conftest import TOKEN, start_server
@@ -88,6 +89,8 @@ def _uplink(address: str, name: str, **kw) -> Uplink:  # noqa: ANN003
 # -- rows ---------------------------------------------------------------------------------
 
 def test_column_blocks_and_single_events_store_the_same_rows(store: Store) -> None:
+    # the rows are built positionally, in the table's column order
+    assert COLLECTIVE_COLUMNS == tuple(c.name for c in Collective.__table__.columns)
     job_id, _ = _job(store)
     evs = [_coll(job_id, 0, s) for s in range(1, 40)]
     assert columns.unpack(columns.pack(evs)) == evs
