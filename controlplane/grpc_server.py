@@ -16,9 +16,9 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from agent.tls import TlsFileError, TlsFiles, server_credentials
 from controlplane.agent_server import MALFORMED, OVERSIZED, AgentServicer
 from controlplane.control_server import ControlServicer
-from agent.tls import TlsFileError, TlsFiles, server_credentials
 from controlplane.errors import ConfigError, UnavailableError
 from fleet_proto import agent_pb2, control_pb2_grpc
 
