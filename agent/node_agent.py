@@ -6,6 +6,19 @@ commands to the addressed rank: a command waits in that rank's mailbox until the
 next report collects it. Commands for another attempt than the reporting worker's are
 stale and dropped.
 
+Two chaos faults are addressed to the agent itself (whatever the command's rank) and
+applied on receipt: ``agent-down`` kills the agent's process with SIGKILL, like a crash
+(workers keep their events and retry until an agent serves their address again), and
+``partition`` cuts the agent off from the controller for ``fault.duration_s`` seconds
+(``Uplink.partition``).
+
+The local channel binds ``bind_host:local_port``; a port of 0 picks a free one. A
+restarted agent passes its predecessor's port so the workers' reporters, which retry
+the address they were given, reach it without being told anything. The bind fails
+(``OSError``) while another process still serves that port: gRPC's SO_REUSEPORT is
+off, so two agents never share one. A port freed by a dead agent binds at once (gRPC
+sets SO_REUSEADDR; the dead agent's connections in TIME_WAIT do not block it).
+
 Buffering and backpressure are the uplink's (memory, then a spill folder, then blocking
 the workers' reports with RESOURCE_EXHAUSTED so they keep their events); the spill
 folder defaults to ``<system temp>/fleet-spill-<uid>/<agent_id>/``.
@@ -16,6 +29,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import signal
 import socket
 import tempfile
 import threading
@@ -35,6 +49,16 @@ log = logging.getLogger(__name__)
 
 #: A rank that has not reported for this long no longer counts as alive.
 WORKER_STALE_S = 5.0
+
+#: Fault kinds addressed to the agent, not to a rank.
+AGENT_DOWN = "agent-down"
+PARTITION = "partition"
+#: How long a partition lasts when its command gives no ``duration_s``, seconds.
+DEFAULT_PARTITION_S = 10.0
+
+
+def _sigkill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def default_spill_dir() -> Path:
@@ -113,6 +137,7 @@ class NodeAgent:
         token: str,
         ray_node_id: str = "",
         bind_host: str = "127.0.0.1",
+        local_port: int = 0,
         batch_max_events: int = 2000,
         batch_max_bytes: int = 1 << 20,
         batch_interval_s: float = 0.2,
@@ -123,14 +148,22 @@ class NodeAgent:
         max_message_bytes: int = 16 << 20,
         tls: TlsFiles | None = None,
         on_ack: Callable[[int, int], None] | None = None,
+        die: Callable[[], None] = _sigkill_self,
     ) -> None:
-        """``spill_dir`` None: ``<system temp>/fleet-spill-<uid>``; the agent spills under
-        ``<spill_dir>/<agent_id>/`` (created, mode 0700). ``tls``: the CA, client
-        certificate and key for mutual TLS to the controller (None: plaintext).
-        ``on_ack(seq, n_events)``: called as each batch is committed (see ``Uplink``)."""
+        """``local_port``: where workers report (0: any free port; a restarted agent
+        passes its predecessor's). ``spill_dir`` None: ``<system temp>/fleet-spill-<uid>``;
+        the agent spills under ``<spill_dir>/<agent_id>/`` (created, mode 0700). ``tls``:
+        the CA, client certificate and key for mutual TLS to the controller (None:
+        plaintext). ``on_ack(seq, n_events)``: called as each batch is committed (see
+        ``Uplink``). ``die``: what the agent-down fault calls (SIGKILL to this process;
+        in-process tests pass their own)."""
+        if not 0 <= local_port <= 65535:
+            raise ValueError(f"local_port must be in 0..65535, not {local_port}")
         self.node_name = node_name
         self.agent_id = f"agent-{node_name}"
         self._bind_host = bind_host
+        self._local_port = local_port
+        self._die = die
         self._mailboxes = _Mailboxes()
         self._server: grpc.Server | None = None
         self.local_address = ""
@@ -147,7 +180,7 @@ class NodeAgent:
             controller_address=controller_address,
             token=token,
             hello=self._hello,
-            on_command=self._mailboxes.post,
+            on_command=self._on_command,
             heartbeat=self._heartbeat,
             batch_max_events=batch_max_events,
             batch_max_bytes=batch_max_bytes,
@@ -168,12 +201,26 @@ class NodeAgent:
         )
         self._server = grpc.server(
             self._executor,
-            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
+            options=[
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.so_reuseport", 0),   # a port still served elsewhere must fail to bind
+            ],
         )
         agent_pb2_grpc.add_NodeAgentServicer_to_server(
             _NodeAgentServicer(self._uplink, self._mailboxes), self._server
         )
-        port = self._server.add_insecure_port(f"{self._bind_host}:0")
+        address = f"{self._bind_host}:{self._local_port}"
+        detail = "bind failed"
+        try:
+            port = self._server.add_insecure_port(address)
+        except RuntimeError as exc:   # grpcio >= 1.59 raises, older ones return 0
+            detail, port = str(exc), 0
+        if port == 0:
+            self._server = None
+            self._executor.shutdown(wait=False)
+            self._uplink.close()   # releases its spill folder
+            raise OSError(f"{self.agent_id} cannot serve workers on {address} (is another agent "
+                          f"of this node still running there?): {detail}")
         self._server.start()
         self.local_address = f"{self._bind_host}:{port}"
         self._hello.local_address = self.local_address
@@ -182,6 +229,31 @@ class NodeAgent:
             self.close()
             raise TimeoutError(f"{self.agent_id}: controller did not accept the connection")
         return self.local_address
+
+    def _on_command(self, cmd: events_pb2.Command) -> None:
+        """A command from the controller: a fault for the agent itself is applied now,
+        anything else waits for its rank's next report."""
+        kind = cmd.fault.kind if cmd.WhichOneof("kind") == "fault" else ""
+        if kind == AGENT_DOWN:
+            log.warning("%s: agent-down fault (command %s): killing this agent", self.agent_id, cmd.command_id)
+            self._die()
+        elif kind == PARTITION:
+            self._uplink.partition(cmd.fault.duration_s if cmd.fault.duration_s > 0 else DEFAULT_PARTITION_S)
+        else:
+            self._mailboxes.post(cmd)
+
+    def partition(self, duration_s: float) -> None:
+        """Cut this agent off from the controller for ``duration_s`` seconds
+        (``Uplink.partition``); workers' reports are still taken and buffered."""
+        self._uplink.partition(duration_s)
+
+    def end_partition(self) -> None:
+        """End a partition now (no-op when there is none)."""
+        self._uplink.end_partition()
+
+    def partitioned(self) -> bool:
+        """True while a partition cuts this agent off from the controller."""
+        return self._uplink.partitioned()
 
     def _heartbeat(self) -> agent_pb2.Heartbeat:
         return agent_pb2.Heartbeat(

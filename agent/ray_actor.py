@@ -12,7 +12,12 @@ from agent.node_agent import NodeAgent
 
 
 class AgentActor:
-    """Holds one NodeAgent for the lifetime of the actor process."""
+    """Holds one NodeAgent for the lifetime of the actor process.
+
+    The constructor takes ``NodeAgent``'s keyword arguments. To restart a node's agent
+    after it died (the agent-down fault, a crash), start a new actor on that node with
+    ``local_port`` set to the port of the address the old one's ``start`` returned: its
+    workers keep reporting to that address and reach the new agent unchanged."""
 
     def __init__(self, **agent_kwargs: object) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -30,6 +35,13 @@ class AgentActor:
 
     def stats(self) -> dict[str, int]:
         return self._agent.stats()
+
+    def partitioned(self) -> bool:
+        return self._agent.partitioned()
+
+    def end_partition(self) -> None:
+        """Lift a partition fault early (the controller reaches the actor through Ray)."""
+        self._agent.end_partition()
 
     def close(self) -> None:
         self._agent.close()

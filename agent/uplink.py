@@ -25,6 +25,14 @@ spill file cannot be read back, and an event larger than the controller's messag
 limit, are dropped, counted, logged once per burst, and reported to the controller in a
 ``DropReport`` that stays queued until written to a stream.
 
+Partition (the chaos fault): ``partition(duration_s)`` blocks the stream both ways for
+that long, as if the network to the controller were cut. Nothing is sent (no batches,
+heartbeats or drop reports, and no (re)connect), nothing received is acted on (acks and
+commands wait in gRPC's buffers), while ``submit`` keeps taking events into memory and
+spill as usual. The controller sees the agent fall silent. When it ends, the stream
+carries on, or, if it broke meanwhile, the uplink reconnects and resends what is
+unacked; the delivery invariant above holds throughout.
+
 Events are serialized once, in ``submit``; a batch is kept (and spilled) as the bytes of
 its ``EventBatch``, built by concatenation (protobuf's encoding of a repeated message
 field is the concatenation of its elements), and sent without re-encoding.
@@ -128,7 +136,7 @@ class Uplink:
         self._address = controller_address
         self._token = token
         self._hello = hello
-        self._hello_msg = agent_pb2.AgentMessage(hello=hello).SerializeToString()
+        self._hello_msg = b""   # encoded in start(): the caller may fill in the Hello until then
         self._on_command = on_command
         self._heartbeat = heartbeat
         self._batch_max_events = batch_max_events
@@ -160,11 +168,13 @@ class Uplink:
         self._last_drop_at = -DROP_BURST_GAP_S   # monotonic time of the latest drop
         self._drops_unlogged = 0
         self._flushing = 0
+        self._partition_until = 0.0   # monotonic; the stream is blocked until then
         self._closing = False
         self._stopped = threading.Event()
         self._welcomed = threading.Event()
         self._call: grpc.Call | None = None
         self.reconnects = 0
+        self.partitions = 0
         self.acked_events = 0
         self.dropped_events = 0
         self.dropped_batches = 0
@@ -176,6 +186,7 @@ class Uplink:
     # -- public ---------------------------------------------------------------------
 
     def start(self) -> Uplink:
+        self._hello_msg = agent_pb2.AgentMessage(hello=self._hello).SerializeToString()
         if self._spool is not None:
             self._report_stale_spill()
         self._thread.start()
@@ -239,6 +250,29 @@ class Uplink:
                 self._flushing -= 1
         return True
 
+    def partition(self, duration_s: float) -> None:
+        """Cut this agent off from the controller for ``duration_s`` seconds (> 0): see
+        the module docstring. A partition already in effect is extended, never shortened."""
+        if not duration_s > 0:
+            raise ValueError(f"a partition lasts > 0 s, not {duration_s}")
+        with self._cond:
+            self._partition_until = max(self._partition_until, time.monotonic() + duration_s)
+            self.partitions += 1
+            self._cond.notify_all()
+        log.warning("partitioned from the controller for %.1f s (chaos fault): sending and receiving "
+                    "nothing, buffering workers' events", duration_s)
+
+    def end_partition(self) -> None:
+        """End a partition now (no-op when there is none)."""
+        with self._cond:
+            self._partition_until = 0.0
+            self._cond.notify_all()
+
+    def partitioned(self) -> bool:
+        """True while a partition blocks the stream."""
+        with self._cond:
+            return time.monotonic() < self._partition_until
+
     @property
     def backlog(self) -> int:
         """Events not yet acknowledged by the controller."""
@@ -259,21 +293,24 @@ class Uplink:
                 "dropped_batches": self.dropped_batches,
                 "rejected_events": self.rejected_events,
                 "reconnects": self.reconnects,
+                "partitions": self.partitions,
             }
 
     def close(self, flush_timeout_s: float = 10.0) -> None:
-        """Flush (bounded), then stop the stream and its thread. What is still unacked
-        then is lost (logged); spill files are deleted."""
+        """End any partition, flush (bounded), then stop the stream and its thread. What
+        is still unacked then is lost (logged); spill files are deleted."""
+        self.end_partition()
         if self._thread.is_alive():
             self.flush(flush_timeout_s)
         with self._cond:
             self._closing = True
+            self._stopped.set()   # under the lock: a thread blocked by a partition wakes
             self._cond.notify_all()
-        self._stopped.set()
         call = self._call
         if call is not None:
             call.cancel()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:   # not when closed without being started
+            self._thread.join(timeout=5)
         with self._cond:
             lost = len(self._pending) + self._unacked_events
             if lost or self._drops:
@@ -403,9 +440,19 @@ class Uplink:
             return grpc.secure_channel(self._address, self._credentials)
         return grpc.insecure_channel(self._address)
 
+    def _await_partition_end(self) -> bool:
+        """Block while partitioned; False if the uplink stopped meanwhile."""
+        with self._cond:
+            while not self._stopped.is_set():
+                left = self._partition_until - time.monotonic()
+                if left <= 0:
+                    return True
+                self._cond.wait(left)
+        return False
+
     def _run(self) -> None:
         backoff = 0.1
-        while not self._stopped.is_set():
+        while self._await_partition_end():
             try:
                 with self._channel() as channel:
                     connect = channel.stream_stream(
@@ -422,6 +469,8 @@ class Uplink:
                     )
                     try:
                         for msg in self._call:
+                            if not self._await_partition_end():
+                                break
                             backoff = 0.1
                             self._inbound(msg)
                     finally:
@@ -446,6 +495,8 @@ class Uplink:
                 self.reconnects += 1
 
     def _outbound(self, conn: _Conn) -> Iterator[bytes]:
+        if not self._await_partition_end():
+            return
         yield self._hello_msg
         while True:
             item = self._next_out(conn)
@@ -481,10 +532,13 @@ class Uplink:
             while True:
                 if conn.done.is_set() or self._stopped.is_set():
                     return None
+                now = time.monotonic()
+                if now < self._partition_until:
+                    self._cond.wait(self._partition_until - now)
+                    continue
                 if self._drops:
                     self._drop_in_flight = self._drops[0]
                     return agent_pb2.AgentMessage(drop=self._drop_in_flight).SerializeToString()
-                now = time.monotonic()
                 if now >= conn.next_heartbeat:
                     conn.next_heartbeat = now + self._heartbeat_interval_s
                     return _HEARTBEAT

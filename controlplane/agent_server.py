@@ -5,6 +5,9 @@ validated and turned into rows right there (``ingest.prepare``), then queued for
 store's single writer (``IngestWriter``), which commits it idempotently, keyed by
 (agent_id, epoch, seq), and acks it after the commit. A batch that fails validation is
 recorded as dropped and acked as rejected, in its place in the stream's order.
+An optional observer (the controller's watchdog) sees every valid batch's rows on the
+receiver thread before they are queued; it must be cheap, and its errors are logged,
+never allowed to break ingest.
 Heartbeats update the node's liveness and health samples; DropReports (events an agent
 lost) are stored in ``ingest_drops``. The response generator sends the Welcome, the
 acks and any commands posted for that node.
@@ -24,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,7 +37,7 @@ from controlplane.errors import UnavailableError
 from controlplane.ingest_writer import IngestWriter, Item
 from controlplane.metrics import ControllerMetrics
 from controlplane.store import HealthRecord, Store
-from controlplane.store.ingest import InvalidBatch, count_events, prepare
+from controlplane.store.ingest import InvalidBatch, PreparedBatch, count_events, prepare
 
 #: What the AgentService deserializer returns for bytes that are not an AgentMessage,
 #: and for a message over the size limit.
@@ -43,6 +46,9 @@ OVERSIZED = object()
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
+
+#: Sees each valid batch's rows: (node name of the agent, rows). Called on a receiver thread.
+BatchObserver = Callable[[str, PreparedBatch], None]
 
 
 @dataclass
@@ -127,16 +133,20 @@ class AgentRegistry:
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     """Accepts agent streams, queues their batches for the writer, relays commands.
 
-    Owns the ``IngestWriter``; ``close()`` commits what is queued and stops it."""
+    Owns the ``IngestWriter``; ``close()`` commits what is queued and stops it.
+    ``observer`` (optional) is shown every batch that passed validation, before the
+    writer gets it."""
 
     def __init__(self, store: Store, registry: AgentRegistry, token: str, controller_id: str,
-                 metrics: ControllerMetrics | None = None) -> None:
+                 metrics: ControllerMetrics | None = None, observer: BatchObserver | None = None) -> None:
         self._store = store
         self._registry = registry
         self._token = token
         self._controller_id = controller_id
         self.metrics = metrics or ControllerMetrics()
         self.writer = IngestWriter(store, self.metrics)
+        self._observer = observer
+        self._observer_failed = False
 
     def close(self) -> None:
         """Commit what is queued, stop the writer and the metrics endpoint, if served."""
@@ -256,11 +266,24 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             rows, rejected = prepare(batch.events), ""
         except InvalidBatch as exc:
             rows, rejected = None, str(exc)
+        if rows is not None and self._observer is not None:
+            self._observe(session, rows)
         item = Item(session, batch.epoch, batch.seq, rows, count_events(batch.events), rejected)
         while not self.writer.put(item, timeout_s=0.5):
             if session.done.is_set():
                 return False
         return True
+
+    def _observe(self, session: AgentSession, rows: PreparedBatch) -> None:
+        try:
+            self._observer(session.node_name, rows)  # type: ignore[misc]
+        except Exception:
+            # the first failure with its traceback; a broken observer must not flood the log
+            if not self._observer_failed:
+                self._observer_failed = True
+                log.exception("agent %s: the batch observer failed (ingest goes on)", session.agent_id)
+            else:
+                log.debug("agent %s: the batch observer failed again", session.agent_id, exc_info=True)
 
     def _record_agent_drop(self, session: AgentSession, drop: agent_pb2.DropReport) -> None:
         self.metrics.dropped.labels("agent").inc(drop.events)

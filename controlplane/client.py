@@ -75,11 +75,13 @@ class ControlClient:
 
     def inject_fault(
         self, job_id: str, kind: str, *, rank: int = -1, node: str = "", at_step: int = 0,
-        duration_s: float = 0.0,
+        duration_s: float = 0.0, after_s: float = 0.0, delay_s: float = 0.0,
     ) -> control_pb2.InjectFaultReply:
+        """Ask the controller to inject a fault (see ``controlplane.chaos`` for the kinds)."""
         req = control_pb2.InjectFaultRequest(
             job_id=job_id, rank=rank, node=node,
-            fault=events_pb2.FaultSpec(kind=kind, at_step=at_step, duration_s=duration_s),
+            fault=events_pb2.FaultSpec(kind=kind, at_step=at_step, duration_s=duration_s,
+                                       after_s=after_s, delay_s=delay_s),
         )
         return self._call(self._stub.InjectFault, req)
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agent.tls import TlsFiles
 from agent.uplink import MESSAGE_HEADROOM_BYTES
+from controlplane import chaos
 from controlplane.errors import ConfigError
 from workers.spec import PRESETS, ModelArgs, TrainArgs
 
@@ -116,8 +117,9 @@ class ControllerConfig(_Section):
     )
     heartbeat_timeout_s: float = Field(
         10.0, gt=0, le=3600,
-        description="Silence after which an agent counts as lost. Must lie between "
-        "heartbeat_interval_s and job.pg_timeout_s (agent-loss detection itself is not built yet).",
+        description="Silence after which an agent counts as lost (an agent_loss incident; a dead agent is "
+        "started again at once, a live but silent one is waited for). Must lie between heartbeat_interval_s "
+        "and job.pg_timeout_s.",
     )
     agent_start_timeout_s: float = Field(
         60.0, gt=0, le=3600, description="Seconds to wait for every node agent to connect."
@@ -278,6 +280,11 @@ class JobConfig(_Section):
         True, description="Write checkpoints in the background; training waits only for the copy."
     )
     keep_checkpoints: int = Field(3, ge=1, description="Newest valid checkpoints kept on disk.")
+    memory_snapshots: bool = Field(
+        True, description="Copy the training state to memory after every step, so a restart loses at most "
+        "the step in flight: replicated (DDP) state comes from any surviving rank, sharded state only while "
+        "every rank survives; otherwise the newest valid checkpoint on disk is used.",
+    )
     checkpoint_dir: str = Field(
         ".fleet/checkpoints", description="Checkpoint root; each job writes to <dir>/<job-id>/."
     )
@@ -291,7 +298,22 @@ class JobConfig(_Section):
         "up with ~1,000 collectives/s per rank; entries overwritten unread are counted and logged.",
     )
     max_restarts: int = Field(3, ge=0, le=1000, description="Attempts after the first before giving up.")
-    restart_backoff_s: float = Field(1.0, ge=0, le=3600, description="Pause before each new attempt.")
+    restart_backoff_s: float = Field(
+        1.0, ge=0, le=3600,
+        description="Pause before the second and later restarts of a job, doubling each time (the first "
+        "restart is immediate); capped at 60 s.",
+    )
+    min_nodes: int = Field(
+        0, ge=0, le=100_000,
+        description="Shrink data parallelism instead of waiting: with fewer than `nodes` healthy nodes, run on "
+        "as many as there are once at least this many are (0 = never shrink; wait for `nodes`). The model's "
+        "expert-parallel size must divide every world size it may shrink to.",
+    )
+    spare_workers_per_node: int = Field(
+        1, ge=0, le=64,
+        description="Warm worker processes (torch imported) kept idle on every node, so a restart replaces a "
+        "dead rank without starting a process.",
+    )
     capacity_wait_s: float = Field(
         300.0, ge=0, le=86400,
         description="Longest wait, before an attempt, for enough healthy (not quarantined) nodes; "
@@ -314,6 +336,7 @@ class JobConfig(_Section):
             checkpoint_interval=self.checkpoint_interval,
             keep_checkpoints=self.keep_checkpoints,
             async_checkpoint=self.async_checkpoint,
+            memory_snapshots=self.memory_snapshots,
             grad_accum_steps=self.grad_accum_steps,
             grad_clip=self.grad_clip,
             warmup_steps=self.warmup_steps,
@@ -347,7 +370,8 @@ class JobConfig(_Section):
 
 
 #: Kinds of incident the controller records (``detectors.Incident.kind``).
-INCIDENT_KINDS = frozenset({"crash", "error", "hang", "desync"})
+INCIDENT_KINDS = frozenset({"crash", "error", "hang", "desync", "straggler", "nan", "loss_spike",
+                            "agent_loss", "node_loss", "controller_crash"})
 
 
 class PolicyConfig(_Section):
@@ -376,6 +400,112 @@ class PolicyConfig(_Section):
         return kinds
 
 
+class ChaosFault(_Section):
+    """One scheduled fault: the same fields and rules as `fleet inject-fault`."""
+
+    kind: str = Field(
+        description="Fault kind: " + ", ".join(chaos.FAULT_KINDS) + " (`fleet inject-fault --help` describes each)."
+    )
+    rank: int | None = Field(
+        None, ge=0, le=10**6, description="Target rank (for agent kinds and node-down: that rank's node)."
+    )
+    node: str | None = Field(None, min_length=1, description="Target node, e.g. node-1 (every rank on it).")
+    at_step: int = Field(0, ge=0, le=10**9, description="Fire at the first step >= this one (0 = at once).")
+    after_s: float = Field(0.0, ge=0, le=30 * 86400, description="Or: fire this many seconds after the job starts.")
+    duration_s: float = Field(
+        0.0, ge=0, le=30 * 86400,
+        description="hang, slow, agent-down, partition, node-down: how long it lasts (0 = indefinitely).",
+    )
+    delay_s: float = Field(
+        0.0, ge=0, le=3600, description=f"slow: extra seconds per step (0 = {chaos.DEFAULT_SLOW_DELAY_S:g})."
+    )
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        problem = chaos.check_kind(kind)
+        if problem:
+            raise ValueError(problem.removeprefix("kind: "))
+        return kind
+
+    @model_validator(mode="after")
+    def _valid_order(self) -> ChaosFault:
+        problem = chaos.check_order(self.order())
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def order(self) -> chaos.FaultOrder:
+        """This fault as an order (rank -1 / node "" where unset)."""
+        return chaos.FaultOrder(
+            kind=self.kind, rank=-1 if self.rank is None else self.rank, node=self.node or "",
+            at_step=self.at_step, after_s=self.after_s, duration_s=self.duration_s, delay_s=self.delay_s,
+        )
+
+
+class ChaosConfig(_Section):
+    """Faults injected on a schedule while the job runs (chaos testing)."""
+
+    faults: list[ChaosFault] = Field(
+        default=[],
+        description="Faults to inject, each a mapping of kind, rank or node, at_step or after_s, duration_s "
+        "and delay_s, as the flags of `fleet inject-fault` (e.g. `{kind: crash, rank: 1, at_step: 40}`).",
+    )
+
+    def orders(self) -> list[chaos.FaultOrder]:
+        """The faults as orders for ``chaos.Scheduler``, in file order."""
+        return [f.order() for f in self.faults]
+
+
+class DetectConfig(_Section):
+    """Live failure detection while an attempt runs (the controller's watchdog)."""
+
+    interval_s: float = Field(0.2, gt=0, le=60, description="Seconds between the watchdog's checks.")
+    hang_factor: float = Field(
+        3.0, ge=1, le=1000,
+        description="Hang threshold: this many times the median recent step time (or hang_floor_s, if "
+        "longer). Once no rank has finished a step for that long (telemetry latency allowed for), the "
+        "flight recorder is asked which rank the others wait for; only waits older than the threshold count.",
+    )
+    hang_floor_s: float = Field(1.0, gt=0, le=86400, description="Shortest hang threshold, seconds.")
+    unconfirmed_hang_s: float = Field(
+        10.0, gt=0, le=86400,
+        description="Seconds past the hang threshold after which a stall is a hang even when the flight "
+        "recorder names no culprit; the rank that progressed least recently is blamed (none if no rank "
+        "stands out).",
+    )
+    startup_timeout_s: float = Field(
+        300.0, gt=0, le=86400,
+        description="An attempt that has finished no step this many seconds after it started is hung "
+        "(covers process-group setup, restore and the first step).",
+    )
+    straggler_lag_s: float = Field(
+        0.2, gt=0, le=3600,
+        description="A rank entering a step's collectives this many seconds after the median other member "
+        "is that step's laggard.",
+    )
+    straggler_steps: int = Field(
+        10, ge=1, le=100_000,
+        description="The same rank being the laggard in this many consecutive steps makes it a straggler "
+        "(one incident per attempt and rank).",
+    )
+    loss_spike_factor: float = Field(
+        5.0, ge=0, le=1e6,
+        description="A finite loss above this many times the median of the previous loss_window finite "
+        "losses is a loss_spike incident, once per attempt (0 = off).",
+    )
+    loss_window: int = Field(
+        20, ge=1, le=100_000,
+        description="Finite losses the spike median is taken over; no spike is called before there are this many.",
+    )
+
+    @model_validator(mode="after")
+    def _interval_below_floor(self) -> DetectConfig:
+        if not self.interval_s < self.hang_floor_s:
+            raise ValueError("interval_s must be < hang_floor_s (a check per threshold at least)")
+        return self
+
+
 class ClusterConfig(_Section):
     """Top level of cluster.yaml."""
 
@@ -389,6 +519,10 @@ class ClusterConfig(_Section):
     agent: AgentConfig = Field(default_factory=AgentConfig, description="Node agents.")
     job: JobConfig = Field(default_factory=JobConfig, description="The training job.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Automatic quarantine.")
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig, description="Scheduled fault injection.")
+    detect: DetectConfig = Field(
+        default_factory=DetectConfig, description="Live failure detection (hangs, stragglers, loss spikes, agent loss)."
+    )
 
     @model_validator(mode="after")
     def _ordering(self) -> ClusterConfig:

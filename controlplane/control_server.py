@@ -14,13 +14,13 @@ from typing import Protocol, TypeVar
 import grpc
 
 from controlplane.auth import TOKEN_METADATA_KEY, tokens_equal
+from controlplane.chaos import FaultOrder, validate_order
 from controlplane.errors import FleetError
 from fleet_proto import control_pb2, control_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
 
 #: Fault kinds the controller accepts today (later issues add slow, nan, node-down, ...).
-FAULT_KINDS = frozenset({"crash", "hang"})
 
 
 class JobControl(Protocol):
@@ -73,15 +73,10 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     def InjectFault(
         self, request: control_pb2.InjectFaultRequest, context: grpc.ServicerContext
     ) -> control_pb2.InjectFaultReply:
-        if request.fault.kind not in FAULT_KINDS:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown fault kind {request.fault.kind!r}; known: {', '.join(sorted(FAULT_KINDS))}",
-            )
-        if request.rank < 0 and not request.node:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a rank (>= 0) or a node")
-        if request.fault.at_step < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "at_step must be >= 0")
+        f = request.fault
+        # the same rules as the CLI's (a ConfigError becomes INVALID_ARGUMENT)
+        validate_order(FaultOrder(kind=f.kind, rank=request.rank, node=request.node, at_step=f.at_step,
+                                  after_s=f.after_s, duration_s=f.duration_s, delay_s=f.delay_s))
         return self._control.inject_fault(request.job_id, request.rank, request.node, request.fault)
 
     @_guarded

@@ -1,13 +1,24 @@
 """Failure detection and attribution: pure functions over snapshots.
 
-No Ray, no gRPC, no store: callers pass what they observed and get back a decision with
-the reason string that is stored and shown to the user.
+No Ray, no gRPC, no store: callers pass what they observed (literal numbers, seconds
+and ranks) and get back a decision with the reason string that is stored and shown to
+the user. ``controlplane.watchdog`` keeps the live state these are applied to while an
+attempt runs; the controller applies ``attribute_failures`` when ranks end badly.
+
+Incident kinds: crash (a rank's process died), error (a rank raised), hang (ranks
+stopped progressing), desync (ranks issued different collectives), straggler (one rank
+consistently late), nan (a non-finite loss), loss_spike, agent_loss (a node agent went
+silent), node_loss. Every incident names a rank (-1 if none), its node ("" if none),
+the detector that fired and its evidence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from statistics import median
 from typing import Protocol
 
 
@@ -24,22 +35,47 @@ class ObservedFailure(Protocol):
 class Incident:
     """A detected failure, blamed on one rank and node, with evidence."""
 
-    kind: str          # "crash" | "error" | "hang" | "desync"
+    kind: str          # see the module docstring
     detector: str
-    rank: int
-    node: str
+    rank: int          # -1: no rank can be named
+    node: str          # "": no node can be named
     evidence: str
 
 
-def attribute_failures(failures: Sequence[ObservedFailure]) -> Incident | None:
+#: What a worker raises on a non-finite loss; every rank whose loss was not finite is listed.
+NONFINITE_LOSS = re.compile(r"non-finite loss at step (\d+) on rank\(s\) \[([0-9,\s]*)\]")
+
+
+def parse_nonfinite_loss(error: str) -> tuple[int, list[int]] | None:
+    """``(step, ranks)`` from an error text holding ``non-finite loss at step S on rank(s)
+    [r1, r2]``; None when it holds no such message."""
+    m = NONFINITE_LOSS.search(error)
+    if m is None:
+        return None
+    return int(m.group(1)), [int(r) for r in m.group(2).replace(",", " ").split()]
+
+
+def _node_of(rank: int, nodes: Sequence[str] | None, failures: Iterable[ObservedFailure] = ()) -> str:
+    if nodes is not None and 0 <= rank < len(nodes):
+        return nodes[rank]
+    return next((f.node for f in failures if f.rank == rank), "")
+
+
+def attribute_failures(failures: Sequence[ObservedFailure],
+                       nodes: Sequence[str] | None = None) -> Incident | None:
     """Blame the failure of an attempt on one rank.
 
-    A rank whose process died is the cause; ranks that merely raised (typically a gloo
-    "connection closed by peer" because their partner died) are its victims. With
-    several deaths, the lowest rank is named and the others are listed as evidence.
+    A non-finite loss is the cause when any rank reports one: the first rank the message
+    lists is named (its node from ``nodes``, where ``nodes[r]`` is rank r's node). Else a
+    rank whose process died is the cause; ranks that merely raised (typically a gloo
+    "connection closed by peer" because their partner died) are its victims. With several
+    deaths, the lowest rank is named and the others are listed as evidence.
     """
     if not failures:
         return None
+    nan = _nonfinite_incident(failures, nodes)
+    if nan is not None:
+        return nan
     died = sorted((f for f in failures if f.actor_died), key=lambda f: f.rank)
     if died:
         culprit = died[0]
@@ -50,6 +86,19 @@ def attribute_failures(failures: Sequence[ObservedFailure]) -> Incident | None:
         return Incident("crash", "crash", culprit.rank, culprit.node, evidence)
     first = min(failures, key=lambda f: f.rank)
     return Incident("error", "crash", first.rank, first.node, f"rank {first.rank} raised: {first.error}")
+
+
+def _nonfinite_incident(failures: Sequence[ObservedFailure], nodes: Sequence[str] | None) -> Incident | None:
+    reports = sorted(((f, parsed) for f in failures if (parsed := parse_nonfinite_loss(f.error))),
+                     key=lambda fp: fp[0].rank)
+    if not reports:
+        return None
+    reporter, (step, ranks) = reports[0]
+    rank = ranks[0] if ranks else reporter.rank
+    node = _node_of(rank, nodes, failures)
+    return Incident("nan", "nan", rank, node,
+                    f"non-finite loss at step {step} on rank(s) {ranks or [reporter.rank]} "
+                    f"(raised by rank(s) {[f.rank for f, _ in reports]})")
 
 
 def attribute_with_trace(incident: Incident, verdict: str, culprit_ranks: Sequence[int], summary: str,
@@ -68,6 +117,171 @@ def attribute_with_trace(incident: Incident, verdict: str, culprit_ranks: Sequen
     return Incident(kind, "flight-recorder", rank, node,
                     f"{summary} Then: {incident.evidence}")
 
+
+# -- hangs ----------------------------------------------------------------------------------
+
+def hang_threshold_s(step_times_s: Sequence[float], factor: float, floor_s: float) -> float:
+    """How long no rank may finish a step before a hang is suspected, seconds:
+    ``factor`` x the median of the recent step times, never less than ``floor_s``."""
+    times = [t for t in step_times_s if math.isfinite(t) and t >= 0]
+    return max(factor * median(times), floor_s) if times else floor_s
+
+
+def _confirmed(verdict: str | None, culprit_ranks: Sequence[int], summary: str, nodes: Sequence[str],
+               why: str) -> Incident | None:
+    """The incident of a flight-recorder verdict that names culprits, else None."""
+    if verdict not in ("hang", "mismatch") or not culprit_ranks:
+        return None
+    rank = culprit_ranks[0]
+    return Incident("hang" if verdict == "hang" else "desync", "hang", rank, _node_of(rank, nodes),
+                    f"{why}; flight recorder: {summary}")
+
+
+def oldest_rank(progress: Mapping[int, tuple[int, float]]) -> int | None:
+    """The rank that progressed least recently: ``progress`` maps rank -> (last step,
+    seconds since its last step ended or collective started; ``math.inf`` if never).
+    None when no rank stands out (no rank, or a tie for oldest)."""
+    if not progress:
+        return None
+    idle = max(i for _, i in progress.values())
+    oldest = [r for r, (_, i) in progress.items() if i == idle]
+    return oldest[0] if len(oldest) == 1 else None
+
+
+def decide_hang(stalled_s: float, threshold_s: float, unconfirmed_s: float, verdict: str | None,
+                culprit_ranks: Sequence[int], summary: str, progress: Mapping[int, tuple[int, float]],
+                nodes: Sequence[str]) -> Incident | None:
+    """Whether an attempt whose ranks finished no step for ``stalled_s`` hangs.
+
+    Past ``threshold_s`` the flight recorder decides: a hang verdict names the rank the
+    others wait for (a mismatch verdict makes it a desync). The verdict must come from a
+    diagnosis that counts only waits older than the threshold (``DiagnosisConfig.settle_s``),
+    since ranks normally enter a collective at different times. Without a verdict naming
+    a culprit, the stall is a hang once it is ``unconfirmed_s`` past the threshold, blamed
+    on the rank with the oldest ``progress`` (rank -1 when none stands out).
+    ``verdict`` None: no diagnosis could be made.
+    """
+    if stalled_s <= threshold_s:
+        return None
+    why = f"no rank finished a step for {stalled_s:.1f} s (hang threshold {threshold_s:.1f} s)"
+    confirmed = _confirmed(verdict, culprit_ranks, summary, nodes, why)
+    if confirmed is not None:
+        return confirmed
+    if stalled_s <= threshold_s + unconfirmed_s:
+        return None
+    seen = f"the flight recorder named no culprit ({verdict or 'no diagnosis'})"
+    rank = oldest_rank(progress)
+    if rank is None:
+        return Incident("hang", "hang", -1, "", f"unconfirmed: {why} and {seen}; no rank stands out")
+    step, idle = progress[rank]
+    ago = "never progressed" if math.isinf(idle) else f"progressed last, {idle:.1f} s ago (step {step})"
+    return Incident("hang", "hang", rank, _node_of(rank, nodes),
+                    f"unconfirmed: {why} and {seen}; rank {rank} {ago}, the longest ago")
+
+
+def startup_hang(waited_s: float, timeout_s: float, verdict: str | None, culprit_ranks: Sequence[int],
+                 summary: str, nodes: Sequence[str]) -> Incident | None:
+    """An attempt that finished no step ``waited_s`` after it started hangs once that is
+    past ``timeout_s``: on the culprit of a flight-recorder verdict, else on no rank."""
+    if waited_s <= timeout_s:
+        return None
+    why = f"no step finished {waited_s:.0f} s after the attempt started (startup timeout {timeout_s:g} s)"
+    confirmed = _confirmed(verdict, culprit_ranks, summary, nodes, why)
+    if confirmed is not None:
+        return confirmed
+    return Incident("hang", "hang", -1, "",
+                    f"unconfirmed: {why}; the flight recorder named no culprit ({verdict or 'no diagnosis'})")
+
+
+# -- stragglers -----------------------------------------------------------------------------
+
+def collective_laggard(enter_ns: Mapping[int, int]) -> tuple[int, float] | None:
+    """The member that entered one collective last (lowest rank on a tie) and how many
+    seconds after the median of the other members; None with fewer than two members."""
+    if len(enter_ns) < 2:
+        return None
+    rank = max(sorted(enter_ns), key=lambda r: enter_ns[r])
+    others = [t for r, t in enter_ns.items() if r != rank]
+    return rank, (enter_ns[rank] - median(others)) / 1e9
+
+
+def step_laggard(collectives: Iterable[Mapping[int, int]], lag_s: float) -> tuple[int, float] | None:
+    """The rank that entered one step's collectives (each: rank -> enter_ns, every member
+    present) last by the most, when that is more than ``lag_s`` seconds; else None."""
+    worst: tuple[int, float] | None = None
+    for enter_ns in collectives:
+        found = collective_laggard(enter_ns)
+        if found is not None and found[1] > lag_s and (worst is None or found[1] > worst[1]):
+            worst = found
+    return worst
+
+
+def detect_straggler(laggards: Sequence[tuple[int, int, float] | None], steps: int,
+                     nodes: Sequence[str]) -> Incident | None:
+    """A straggler: the same rank was each step's laggard in the last ``steps`` consecutive
+    steps. ``laggards``, oldest first: per step judged, ``(step, rank, lag_s)`` from
+    ``step_laggard``, or None when no rank was late by more than the limit."""
+    recent = list(laggards)[-steps:] if steps > 0 else []
+    if len(recent) < steps or any(x is None for x in recent):
+        return None
+    picked = [x for x in recent if x is not None]
+    ranks = {rank for _, rank, _ in picked}
+    numbers = [step for step, _, _ in picked]
+    if len(ranks) != 1 or numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+        return None
+    rank = picked[0][1]
+    lag = median(lag for _, _, lag in picked)
+    return Incident("straggler", "straggler", rank, _node_of(rank, nodes),
+                    f"rank {rank} entered collectives last in each of {steps} consecutive steps "
+                    f"({numbers[0]}-{numbers[-1]}), a median {lag:.2f} s after the other members")
+
+
+# -- losses ---------------------------------------------------------------------------------
+
+def loss_spike(recent_losses: Sequence[float], loss: float, factor: float, window: int) -> bool:
+    """True when ``loss`` is above ``factor`` x the median of the last ``window`` finite
+    losses of ``recent_losses`` (oldest first). Never with fewer than ``window`` of them,
+    with ``factor`` <= 0 (off), for a non-finite ``loss`` (the nan detector's case) or a
+    median <= 0."""
+    if factor <= 0 or window <= 0 or not math.isfinite(loss):
+        return False
+    finite = [x for x in recent_losses if math.isfinite(x)][-window:]
+    if len(finite) < window:
+        return False
+    mid = median(finite)
+    return mid > 0 and loss > factor * mid
+
+
+def loss_spike_incident(step: int, loss: float, recent_losses: Sequence[float], factor: float,
+                        window: int) -> Incident | None:
+    """The loss_spike incident of step ``step`` (see ``loss_spike``), or None. The loss is
+    the global mean, so no rank is named."""
+    if not loss_spike(recent_losses, loss, factor, window):
+        return None
+    mid = median([x for x in recent_losses if math.isfinite(x)][-window:])
+    return Incident("loss_spike", "loss", -1, "",
+                    f"loss {loss:.4g} at step {step} is {loss / mid:.1f}x the median {mid:.4g} of the "
+                    f"previous {window} steps (limit {factor:g}x)")
+
+
+# -- agents ---------------------------------------------------------------------------------
+
+def agents_lost(silent_for: Mapping[str, float], timeout_s: float) -> list[str]:
+    """Nodes whose agent was not heard from for more than ``timeout_s`` seconds, sorted."""
+    return sorted(node for node, silent in silent_for.items() if silent > timeout_s)
+
+
+def agent_loss_incident(node: str, silent_s: float, timeout_s: float, nodes: Sequence[str]) -> Incident:
+    """The agent_loss incident of ``node``, named by its lowest rank (``nodes[r]`` is rank
+    r's node; -1 when none runs there)."""
+    ranks = [r for r, n in enumerate(nodes) if n == node]
+    on = f"; rank(s) {ranks} run there" if ranks else ""
+    return Incident("agent_loss", "agent", ranks[0] if ranks else -1, node,
+                    f"the agent of {node} was not heard from for {silent_s:.1f} s "
+                    f"(timeout {timeout_s:g} s){on}")
+
+
+# -- restarts -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class RestartDecision:

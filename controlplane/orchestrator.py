@@ -120,11 +120,14 @@ def _pinned(node: NodeInfo) -> NodeAffinitySchedulingStrategy:
 
 
 class AgentSet:
-    """One NodeAgent actor per node."""
+    """One NodeAgent actor per node; a lost agent is started again on the same local port."""
 
     def __init__(self) -> None:
         self.actors: dict[str, Any] = {}
         self.local_addresses: dict[str, str] = {}
+        self._nodes: dict[str, NodeInfo] = {}
+        self._args: dict[str, Any] = {}
+        self._start_timeout_s = 30.0
 
     def start(
         self,
@@ -135,31 +138,71 @@ class AgentSet:
         controller: ControllerConfig,
         spill_dir: Path,
     ) -> None:
-        remote_cls = ray.remote(num_cpus=0, max_restarts=0)(AgentActor)
+        self._start_timeout_s = controller.agent_start_timeout_s
+        self._args = dict(
+            controller_address=controller_address,
+            token=token,
+            batch_max_events=agent.batch_max_events,
+            batch_max_bytes=agent.batch_max_bytes,
+            batch_interval_s=agent.batch_interval_s,
+            heartbeat_interval_s=controller.heartbeat_interval_s,
+            memory_max_bytes=agent.memory_max_bytes,
+            spill_dir=spill_dir,
+            spill_max_bytes=agent.spill_max_bytes,
+            max_message_bytes=controller.max_message_bytes,
+            tls=controller.tls.client_files(),
+        )
         for node in nodes:
-            self.actors[node.name] = remote_cls.options(
-                scheduling_strategy=_pinned(node), name=None
-            ).remote(
-                node_name=node.name,
-                controller_address=controller_address,
-                token=token,
-                ray_node_id=node.ray_node_id,
-                batch_max_events=agent.batch_max_events,
-                batch_max_bytes=agent.batch_max_bytes,
-                batch_interval_s=agent.batch_interval_s,
-                heartbeat_interval_s=controller.heartbeat_interval_s,
-                memory_max_bytes=agent.memory_max_bytes,
-                spill_dir=spill_dir,
-                spill_max_bytes=agent.spill_max_bytes,
-                max_message_bytes=controller.max_message_bytes,
-                tls=controller.tls.client_files(),
-            )
-        refs = {name: a.start.remote(controller.agent_start_timeout_s) for name, a in self.actors.items()}
+            self._nodes[node.name] = node
+            self.actors[node.name] = self._new_actor(node, local_port=0)
+        refs = {name: a.start.remote(self._start_timeout_s) for name, a in self.actors.items()}
         try:
-            addresses = ray.get(list(refs.values()), timeout=controller.agent_start_timeout_s + 30)
+            addresses = ray.get(list(refs.values()), timeout=self._start_timeout_s + 30)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
             raise UnavailableError(f"node agents did not start: {exc}") from None
         self.local_addresses = dict(zip(refs, addresses, strict=True))
+
+    def _new_actor(self, node: NodeInfo, local_port: int) -> Any:
+        remote_cls = ray.remote(num_cpus=0, max_restarts=0)(AgentActor)
+        return remote_cls.options(scheduling_strategy=_pinned(node), name=None).remote(
+            node_name=node.name, ray_node_id=node.ray_node_id, local_port=local_port, **self._args)
+
+    def alive(self, node: str, timeout_s: float = 2.0) -> bool:
+        """Whether the node's agent process answers (through Ray, not the lost stream)."""
+        actor = self.actors.get(node)
+        if actor is None:
+            return False
+        try:
+            ray.get(actor.stats.remote(), timeout=timeout_s)
+            return True
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def kill(self, node: str) -> None:
+        """Kill the node's agent process (chaos: node-down)."""
+        actor = self.actors.get(node)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+
+    def restart(self, node: str) -> str:
+        """Start a new agent on ``node`` serving the same local address (its workers'
+        reporters reconnect by themselves); kills the old one first. Returns the address."""
+        self.kill(node)
+        port = int(self.local_addresses[node].rsplit(":", 1)[1])
+        deadline = time.monotonic() + self._start_timeout_s
+        while True:
+            actor = self._new_actor(self._nodes[node], local_port=port)
+            try:
+                address = ray.get(actor.start.remote(self._start_timeout_s), timeout=self._start_timeout_s + 10)
+                break
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
+                ray.kill(actor, no_restart=True)
+                if time.monotonic() >= deadline:  # e.g. the port is still held by the old process
+                    raise UnavailableError(f"agent on {node} did not restart: {_one_line(exc)}") from None
+                time.sleep(0.5)
+        self.actors[node] = actor
+        self.local_addresses[node] = address
+        return address
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every agent has its received events committed by the controller."""
@@ -180,16 +223,99 @@ class AgentSet:
         self.actors.clear()
 
 
-class WorkerGroup:
-    """The worker actors of one attempt: placed, run, polled, killed."""
+class WorkerPool:
+    """The worker processes of one job, across its attempts.
 
-    def __init__(self, placement: list[NodeInfo]) -> None:
-        """``placement[r]`` is the node of rank r."""
+    A process that survived a failed attempt (its ``run`` raised; the process lives) keeps
+    torch loaded and its in-memory snapshots (workers/snapshot.py); the next attempt
+    reuses it for the same rank when that rank stays on the same node. Every node of the
+    job also keeps ``spares_per_node`` warm processes (torch imported) that replace dead
+    ranks without a process start; a used spare is replaced in the background.
+    """
+
+    def __init__(self, spares_per_node: int) -> None:
+        self._cls = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(WorkerActor)
+        self._spares_per_node = spares_per_node
+        self._spares: dict[str, list[Any]] = {}
+        self._survivors: dict[int, tuple[str, Any]] = {}  # rank -> (node name, actor)
+        self._in_use: list[Any] = []
+
+    def _new(self, node: NodeInfo) -> Any:
+        actor = self._cls.options(scheduling_strategy=_pinned(node)).remote()
+        actor.warm.remote()
+        return actor
+
+    def fill_spares(self, nodes: list[NodeInfo]) -> None:
+        """Start warm spares on ``nodes`` up to ``spares_per_node`` each (non-blocking)."""
+        for node in nodes:
+            spares = self._spares.setdefault(node.name, [])
+            while len(spares) < self._spares_per_node:
+                spares.append(self._new(node))
+
+    def acquire(self, placement: list[NodeInfo]) -> tuple[list[Any], int]:
+        """One process per rank of ``placement``; returns them and how many were reused
+        from the previous attempt (same rank, same node)."""
+        actors, reused = [], 0
+        survivors, self._survivors = self._survivors, {}
+        for rank, node in enumerate(placement):
+            prev = survivors.pop(rank, None)
+            if prev is not None and prev[0] == node.name:
+                actors.append(prev[1])
+                reused += 1
+                continue
+            if prev is not None:
+                survivors[rank] = prev  # moved rank: its process may serve another rank below
+            actors.append(None)
+        # survivors whose rank moved become spares of their node (if the node is still used)
+        used_nodes = {n.name for n in placement}
+        for node_name, actor in survivors.values():
+            if node_name in used_nodes:
+                self._spares.setdefault(node_name, []).insert(0, actor)
+            else:
+                ray.kill(actor, no_restart=True)
+        for rank, node in enumerate(placement):
+            if actors[rank] is None:
+                spares = self._spares.get(node.name)
+                actors[rank] = spares.pop(0) if spares else self._new(node)
+        self._in_use = actors
+        return actors, reused
+
+    def release(self, survivors: dict[int, tuple[str, Any]]) -> None:
+        """Processes of the ended attempt that are alive and idle, by rank."""
+        self._survivors = dict(survivors)
+
+    def discard_node(self, node: str) -> None:
+        """Kill idle processes on ``node`` (quarantined or lost)."""
+        for actor in self._spares.pop(node, []):
+            ray.kill(actor, no_restart=True)
+        for rank, (name, actor) in list(self._survivors.items()):
+            if name == node:
+                ray.kill(actor, no_restart=True)
+                del self._survivors[rank]
+
+    def close(self) -> None:
+        for actor in [a for spares in self._spares.values() for a in spares] + \
+                [a for _, a in self._survivors.values()] + list(self._in_use):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._spares.clear()
+        self._survivors.clear()
+        self._in_use = []
+
+
+class WorkerGroup:
+    """The worker actors of one attempt: run, polled, and torn down rank by rank."""
+
+    def __init__(self, placement: list[NodeInfo], actors: list[Any]) -> None:
+        """``placement[r]`` is the node of rank r, ``actors[r]`` its process (WorkerPool)."""
         self.placement = placement
-        remote_cls = ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(WorkerActor)
-        self.actors = [remote_cls.options(scheduling_strategy=_pinned(n)).remote() for n in placement]
+        self.actors = actors
         self._refs: dict[Any, int] = {}
         self.results: dict[int, dict[str, Any]] = {}
+        self.died: set[int] = set()  # ranks whose process is gone
+        self.killed: set[int] = set()
 
     def pids(self, timeout_s: float) -> list[int]:
         return ray.get([a.pid.remote() for a in self.actors], timeout=timeout_s)
@@ -213,6 +339,7 @@ class WorkerGroup:
             try:
                 self.results[rank] = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
+                self.died.add(rank)
                 failures.append(RankFailure(rank, self.placement[rank].name, True, _one_line(exc)))
                 self.results[rank] = {"error": str(exc)}
             except ray.exceptions.RayError as exc:
@@ -224,10 +351,40 @@ class WorkerGroup:
     def finished(self) -> bool:
         return len(self.results) == len(self.actors)
 
+    def running(self) -> list[int]:
+        return [r for r in range(len(self.actors)) if r not in self.results]
+
+    def kill_ranks(self, ranks: list[int]) -> None:
+        """Kill these ranks' processes (a rank stuck in a collective never returns)."""
+        for rank in ranks:
+            self.killed.add(rank)
+            ray.kill(self.actors[rank], no_restart=True)
+
+    def wind_down(self, grace_s: float) -> list[RankFailure]:
+        """Let the ranks still running end by themselves (their collectives fail once a
+        peer is gone) for up to ``grace_s``; kill the rest. Returns the failures seen."""
+        failures: list[RankFailure] = []
+        deadline = time.monotonic() + grace_s
+        while not self.finished and time.monotonic() < deadline:
+            failures += self.poll(min(0.05, max(0.0, deadline - time.monotonic())))
+        stuck = self.running()
+        if stuck:
+            self.kill_ranks(stuck)
+            deadline = time.monotonic() + 10
+            while not self.finished and time.monotonic() < deadline:
+                failures += self.poll(0.1)
+        return failures
+
+    def survivors(self) -> dict[int, tuple[str, Any]]:
+        """Ranks whose process is alive and idle: their run ended (raised or returned)."""
+        return {r: (self.placement[r].name, self.actors[r]) for r in self.results
+                if r not in self.died and r not in self.killed}
+
     def kill(self) -> None:
         """Kill every rank; a rank stuck in a gloo collective never exits by itself."""
         for a in self.actors:
             ray.kill(a, no_restart=True)
+        self.killed.update(range(len(self.actors)))
         deadline = time.monotonic() + 10
         for ref in list(self._refs):
             left = deadline - time.monotonic()

@@ -21,12 +21,20 @@ class PlacementDecision:
     reason: str = ""
 
 
-def choose_nodes(alive: Sequence[str], quarantined: Mapping[str, str], needed: int) -> PlacementDecision:
-    """The first ``needed`` alive nodes that are not quarantined (``quarantined`` maps a
-    node to its reason)."""
-    healthy = [n for n in alive if n not in quarantined]
+def choose_nodes(alive: Sequence[str], quarantined: Mapping[str, str], needed: int,
+                 down: Mapping[str, str] | None = None, minimum: int | None = None) -> PlacementDecision:
+    """The first ``needed`` alive nodes that are neither quarantined nor down (both map a
+    node to its reason). With ``minimum`` < ``needed`` (shrinking data parallelism is
+    allowed), as many as there are once at least ``minimum`` are usable."""
+    down = down or {}
+    healthy = [n for n in alive if n not in quarantined and n not in down]
     if len(healthy) >= needed:
         return PlacementDecision(tuple(healthy[:needed]))
+    if minimum is not None and minimum <= len(healthy):
+        return PlacementDecision(tuple(healthy), f"shrunk to {len(healthy)} of {needed} node(s)")
     out = [f"{n} ({quarantined[n]})" for n in alive if n in quarantined]
-    return PlacementDecision((), f"the job needs {needed} healthy node(s) and {len(healthy)} of the "
-                                 f"{len(alive)} alive are; quarantined: {', '.join(out) or 'none'}")
+    reason = (f"the job needs {needed} healthy node(s) and {len(healthy)} of the "
+              f"{len(alive)} alive are; quarantined: {', '.join(out) or 'none'}")
+    if down:
+        reason += "; down: " + ", ".join(f"{n} ({why})" for n, why in down.items())
+    return PlacementDecision((), reason)

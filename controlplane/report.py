@@ -14,9 +14,13 @@ a synchronous step ends when its last rank does):
 - **checkpointing**: the save time the checkpoints report (``save_s``, what blocked the
   loop). **other** is what is left (the end of the job, gaps between steps).
 
-Each incident also gets ``detected_after_s`` (its attempt's last step end, or the
-attempt's start, to detection) and ``recovery_s`` (detection to the first step completed
-by a later attempt, None when there was none).
+Each incident that ended its attempt (the last one recorded for a failed attempt) also
+gets ``detected_after_s`` (its attempt's last step end, or the attempt's start, to
+detection) and ``recovery_s`` (detection to the first step completed by a later attempt,
+None when there was none), and, when the controller timed the restart, ``phases`` (detect,
+teardown, place, process-group init, restore, first step: seconds), ``restored_step``,
+``restored_from`` and ``steps_lost``. Incidents acted on while the attempt ran on
+(agent loss, straggler, loss spike) have ``ended_attempt`` false and no recovery.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from controlplane.store import (
     IncidentRecord,
     JobRecord,
     NodeRecord,
+    RecoveryRecord,
     StepRecord,
 )
 
@@ -51,7 +56,7 @@ def _timeline(steps: Sequence[StepRecord]) -> dict[int, dict[int, tuple[float, f
 def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequence[StepRecord],
                incidents: Sequence[IncidentRecord], actions: Sequence[ActionRecord],
                checkpoints: Sequence[CheckpointRecord], nodes: Sequence[NodeRecord],
-               now: float) -> dict[str, Any]:
+               now: float, recoveries: Sequence[RecoveryRecord] = ()) -> dict[str, Any]:
     """The report of one job as a JSON-ready dict (see the module docstring)."""
     timeline = _timeline(steps)
     numbers = sorted(a.number for a in attempts)
@@ -81,12 +86,24 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         return max(v[1] for v in t.values()) if t else None
 
     startup = (first_start(numbers[0]) - job.created_at) if numbers and first_start(numbers[0]) else 0.0
+    # the incident that ended a failed attempt is the last one recorded for it
+    failed = {a.number for a in attempts if a.state.value == "FAILED"}
     by_attempt: dict[int, IncidentRecord] = {}
     for i in incidents:
-        by_attempt.setdefault(i.attempt, i)
+        if i.attempt in failed:
+            by_attempt[i.attempt] = i
+    recovery_of = {r.incident_id: r for r in recoveries if r.incident_id is not None}
     detection = restart = 0.0
     out_incidents = []
     for i in incidents:
+        ended = by_attempt.get(i.attempt) is i
+        if not ended:
+            out_incidents.append({
+                "attempt": i.attempt, "kind": i.kind, "rank": i.rank, "node": i.node,
+                "detector": i.detector, "evidence": i.evidence, "ended_attempt": False,
+                "detected_after_s": None, "recovery_s": None,
+            })
+            continue
         started = next((a.started_at for a in attempts if a.number == i.attempt), job.created_at)
         last = last_end(i.attempt) or started
         # the first later attempt that completed a step (one that failed at once did not)
@@ -95,10 +112,17 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         out_incidents.append({
             "attempt": i.attempt, "kind": i.kind, "rank": i.rank, "node": i.node,
             "detector": i.detector, "evidence": i.evidence,
+            "ended_attempt": True,
             "detected_after_s": round(max(i.detected_at - last, 0.0), 3),
             "recovery_s": None if resumed is None else round(resumed - i.detected_at, 3),
         })
-        if by_attempt.get(i.attempt) is i:
+        rec = recovery_of.get(i.id)
+        if rec is not None:
+            out_incidents[-1].update(
+                phases={p.removesuffix("_s"): round(getattr(rec, p), 3) for p in RecoveryRecord.PHASES},
+                failure_to_first_step_s=round(rec.total_s, 3), restored_step=rec.restored_step,
+                restored_from=rec.restored_from, steps_lost=rec.steps_lost, reused_workers=rec.reused_workers)
+        if ended:
             detection += max(i.detected_at - last, 0.0)
             # until the next attempt steps, or the next incident takes over the count
             later = [j.detected_at for j in by_attempt.values() if j.attempt > i.attempt]
@@ -120,6 +144,7 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         "lost_s": {k: round(v, 3) for k, v in lost.items()},
         "attempts": len(numbers),
         "restarts": sum(1 for a in actions if a.kind == "restart"),
+        "steps_lost": sum(r.steps_lost for r in recoveries),
         "incidents": out_incidents,
         "quarantined_nodes": quarantined,
         "quarantines": [a.cause for a in actions if a.kind == "quarantine"],

@@ -414,6 +414,36 @@ def latest_valid(checkpoint_dir: str | os.PathLike[str]) -> tuple[int, str] | No
     return None
 
 
+#: Bytes ``corrupt_newest`` flips.
+_FLIP_BYTES = 64
+
+
+def corrupt_newest(checkpoint_dir: str | os.PathLike[str]) -> Path:
+    """Chaos: flip bytes in place in the largest data file of the newest valid checkpoint
+    (the size stays, the checksum breaks), so that ``latest_valid`` skips it; returns the
+    file. ``FileNotFoundError`` when there is no valid checkpoint or nothing to flip."""
+    latest = latest_valid(checkpoint_dir)
+    if latest is None:
+        raise FileNotFoundError(f"no valid checkpoint under {checkpoint_dir} to corrupt")
+    step, path = latest
+    files = json.loads((Path(path) / MANIFEST).read_text())["files"]
+    # data files first (.distcp); .metadata only if there is nothing else
+    name = max(files, key=lambda f: (f != ".metadata", files[f]["bytes"], f))
+    target, size = Path(path) / name, files[name]["bytes"]
+    if size == 0:
+        raise FileNotFoundError(f"checkpoint {path}: its largest file {name} is empty; nothing to corrupt")
+    offset = max(0, size // 2 - _FLIP_BYTES // 2)
+    with target.open("r+b") as f:
+        f.seek(offset)
+        raw = f.read(_FLIP_BYTES)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in raw))
+        f.flush()
+        os.fsync(f.fileno())
+    log.warning("corrupted checkpoint step %d: %d bytes of %s at offset %d", step, len(raw), target, offset)
+    return target
+
+
 def _step_dirs(checkpoint_dir: Path) -> list[tuple[int, Path]]:
     """Step directories, newest first."""
     if not checkpoint_dir.is_dir():

@@ -1,17 +1,23 @@
 """Fault-injection hooks and controller orders a rank obeys inside its training loop.
 
 ``FaultHooks.on_command`` runs on the reporter thread whenever the agent relays a
-``Command``; ``before_step`` runs on the training thread at the top of every step.
+``Command``; ``before_step`` runs on the training thread at the top of every step, and
+``poison_loss`` right after each micro-batch's loss is computed.
 
-Fault kinds understood here, each fired immediately (``at_step <= 0``) or at the
-start of the first step ``>= at_step``:
-  * ``crash``: the process exits at once with ``FAULT_EXIT_CODE`` (no cleanup, like a
-    segfault or a lost node would).
-  * ``hang``: the training thread stops before its next collective for ``duration_s``
-    seconds (0 = until the process is killed), like a rank whose GPU kernel or data
-    loader hung: its peers block inside that collective waiting for it. The reporter
-    thread keeps running, so the flight recorder shows exactly that.
-Unknown kinds are logged and ignored: the controller validates kinds before sending.
+Fault kinds understood here (``WORKER_KINDS``), each armed for the first step
+``>= at_step`` (``at_step`` 0 = at once):
+  * ``crash``: the process sends itself SIGKILL, like a segfault or a lost GPU: no
+    finally blocks, atexit handlers or flushes run. Its parent sees ``FAULT_EXIT_CODE``.
+  * ``hang``: the training thread stops before its next step's collectives for
+    ``duration_s`` seconds (0 = until the process is killed), like a rank whose GPU
+    kernel or data loader hung: its peers block inside that collective waiting for it.
+    The reporter thread keeps running, so the flight recorder shows exactly that.
+  * ``slow``: a straggler. Every step from the armed one on sleeps ``delay_s`` extra
+    (``DEFAULT_SLOW_DELAY_S`` when 0) before its compute, for ``duration_s`` seconds
+    counted from the first slowed step (0 = the rest of the attempt).
+  * ``nan``: the rank's loss at the armed step becomes NaN, once (``poison_loss``).
+Other kinds (node-down, partition, ...) are the agent's or the controller's; a rank
+logs and ignores them. ``after_s`` is the controller's delay and is ignored here.
 A ``stop`` command only sets ``stop_requested``; the training loop decides, together
 with the other ranks, where to stop.
 """
@@ -20,36 +26,75 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fleet_proto import events_pb2
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
-#: Exit status of a process killed by an injected ``crash`` fault, so the controller can
-#: tell an injected crash from a real one.
-FAULT_EXIT_CODE = 43
+#: Return code a parent (``subprocess``, ``multiprocessing``) sees for a rank killed by an
+#: injected ``crash``: killed by SIGKILL, as a real hardware-style death would be.
+FAULT_EXIT_CODE = -signal.SIGKILL
+
+#: Extra seconds a ``slow`` rank sleeps per step when the order leaves ``delay_s`` at 0.
+DEFAULT_SLOW_DELAY_S = 0.3
+
+#: Fault kinds a rank acts on itself.
+WORKER_KINDS = frozenset({"crash", "hang", "slow", "nan", "ckpt-corrupt"})
+
+
+@dataclass
+class _Slowdown:
+    at_step: int
+    delay_s: float
+    duration_s: float         # 0 = rest of the attempt
+    started: float | None = None  # clock() at the first slowed step
 
 
 class FaultHooks:
-    """Arms and fires injected faults for one rank."""
+    """Arms and fires injected faults for one rank.
 
-    def __init__(self, rank: int) -> None:
+    ``clock`` (seconds) and ``sleep`` are injectable for tests; by default a slow step
+    sleeps in an event wait that ``release`` cuts short.
+    """
+
+    def __init__(self, rank: int, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], object] | None = None, checkpoint_dir: str = "") -> None:
+        """``checkpoint_dir``: where ``ckpt-corrupt`` finds the newest checkpoint."""
         self.rank = rank
+        self.checkpoint_dir = checkpoint_dir
+        self._corrupt_at_step: int | None = None
         self.stop_requested = False
-        self._lock = threading.Lock()  # on_command (reporter thread) vs before_step (main)
+        self._clock = clock
+        self._released = threading.Event()  # release(): end hangs and slowdowns now
+        self._sleep = sleep if sleep is not None else self._released.wait
+        self._lock = threading.Lock()  # on_command (reporter thread) vs the training thread
         self._crash_at_step: int | None = None
         self._hang_at_step: int | None = None
         self._hang_s = 0.0
-        self._hang_now = threading.Event()  # set by an immediate hang order
+        self._slow: _Slowdown | None = None
+        self._nan_at_step: int | None = None
 
     @property
     def armed_crash_step(self) -> int | None:
         """The step at whose start this rank will crash, or None."""
         with self._lock:
             return self._crash_at_step
+
+    @property
+    def armed_nan_step(self) -> int | None:
+        """The step whose loss this rank will poison, or None."""
+        with self._lock:
+            return self._nan_at_step
 
     def on_command(self, cmd: events_pb2.Command) -> None:
         """Handle one command from the agent (called on the reporter thread)."""
@@ -63,36 +108,94 @@ class FaultHooks:
             log.warning("rank %d: ignoring command %s with no known kind", self.rank, cmd.command_id)
             return
         fault = cmd.fault
-        if fault.kind == "hang":
+        at_step = max(fault.at_step, 0)
+        duration_s = max(fault.duration_s, 0.0)
+        if fault.kind == "crash":
+            if at_step == 0:
+                self._crash(f"command {cmd.command_id}, immediate")
             with self._lock:
-                self._hang_at_step = max(fault.at_step, 0)
-                self._hang_s = max(fault.duration_s, 0.0)
-            log.info("rank %d: hang armed for step %d, %s (command %s)", self.rank, fault.at_step,
-                     f"{fault.duration_s:g} s" if fault.duration_s > 0 else "until killed", cmd.command_id)
-            return
-        if fault.kind != "crash":
-            log.warning("rank %d: ignoring unknown fault kind %r (command %s)",
+                # Several crash orders: the earliest step wins.
+                if self._crash_at_step is None or at_step < self._crash_at_step:
+                    self._crash_at_step = at_step
+        elif fault.kind == "hang":
+            with self._lock:
+                self._hang_at_step, self._hang_s = at_step, duration_s
+        elif fault.kind == "slow":
+            delay_s = fault.delay_s if fault.delay_s > 0 else DEFAULT_SLOW_DELAY_S
+            with self._lock:
+                self._slow = _Slowdown(at_step, delay_s, duration_s)
+        elif fault.kind == "nan":
+            with self._lock:
+                if self._nan_at_step is None or at_step < self._nan_at_step:
+                    self._nan_at_step = at_step
+        elif fault.kind == "ckpt-corrupt" and self.checkpoint_dir:
+            # the controller hands a step-timed corruption to rank 0: exactly at that step
+            with self._lock:
+                self._corrupt_at_step = at_step
+        else:
+            log.warning("rank %d: ignoring fault kind %r, not a rank's to act on (command %s)",
                         self.rank, fault.kind, cmd.command_id)
             return
-        if fault.at_step <= 0:
-            self._crash(f"command {cmd.command_id}, immediate")
-        with self._lock:
-            # Several crash orders: the earliest step wins.
-            if self._crash_at_step is None or fault.at_step < self._crash_at_step:
-                self._crash_at_step = fault.at_step
-        log.info("rank %d: crash armed for step %d (command %s)", self.rank, fault.at_step, cmd.command_id)
+        log.info("rank %d: %s armed for step %d (command %s)", self.rank, fault.kind, at_step, cmd.command_id)
 
     def before_step(self, step: int) -> None:
         """Fire any fault armed for ``step`` (called by the training loop before each step)."""
-        at = self._crash_at_step
-        if at is not None and step >= at:
-            self._crash(f"armed for step {at}, now at step {step}")
         with self._lock:
-            hang_at, hang_s = self._hang_at_step, self._hang_s
+            crash_at, hang_at, hang_s = self._crash_at_step, self._hang_at_step, self._hang_s
             if hang_at is not None and step >= hang_at:
                 self._hang_at_step = None
+            corrupt_at = self._corrupt_at_step
+            if corrupt_at is not None and step >= corrupt_at:
+                self._corrupt_at_step = None
+        if corrupt_at is not None and step >= corrupt_at:
+            from workers import checkpoint
+
+            try:
+                damaged = checkpoint.corrupt_newest(self.checkpoint_dir)
+                print(f"fleet: rank {self.rank} injected checkpoint corruption at step {step}: {damaged}",
+                      file=sys.stderr, flush=True)
+            except FileNotFoundError as exc:
+                log.warning("rank %d: ckpt-corrupt at step %d: %s", self.rank, step, exc)
+        if crash_at is not None and step >= crash_at:
+            self._crash(f"armed for step {crash_at}, now at step {step}")
         if hang_at is not None and step >= hang_at:
             self._hang(step, hang_s)
+        delay_s = self._slow_delay(step)
+        if delay_s > 0:
+            self._sleep(delay_s)
+
+    def poison_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times NaN the first time it is called at or after the armed ``nan`` step,
+        else ``loss`` itself (called on every micro-batch's loss)."""
+        with self._lock:
+            at = self._nan_at_step
+            if at is None or step < at:
+                return loss
+            self._nan_at_step = None
+        print(f"fleet: rank {self.rank} injected NaN loss at step {step}", file=sys.stderr, flush=True)
+        return loss * float("nan")
+
+    def _slow_delay(self, step: int) -> float:
+        """Seconds this step must sleep for an armed slowdown (0: none, or it is over)."""
+        with self._lock:
+            slow = self._slow
+            if slow is None or step < slow.at_step:
+                return 0.0
+            now = self._clock()
+            if slow.started is None:
+                slow.started = now
+                first = True
+            else:
+                first = False
+                if slow.duration_s > 0 and now - slow.started >= slow.duration_s:
+                    self._slow = None
+                    log.info("rank %d: slowdown over at step %d", self.rank, step)
+                    return 0.0
+        if first:
+            print(f"fleet: rank {self.rank} injected slowdown from step {step}: +{slow.delay_s:g} s per step "
+                  f"({f'for {slow.duration_s:g} s' if slow.duration_s > 0 else 'for the rest of the attempt'})",
+                  file=sys.stderr, flush=True)
+        return slow.delay_s
 
     def _hang(self, step: int, duration_s: float) -> None:
         print(f"fleet: rank {self.rank} injected hang at step {step} "
@@ -101,17 +204,20 @@ class FaultHooks:
         # Event.wait in bounded slices: the thread stays interruptible and never spins
         while deadline is None or time.monotonic() < deadline:
             remaining = 60.0 if deadline is None else min(60.0, deadline - time.monotonic())
-            if remaining <= 0 or self._hang_now.wait(remaining):
+            if remaining <= 0 or self._released.wait(remaining):
                 break
         log.info("rank %d: hang at step %d over", self.rank, step)
 
     def release(self) -> None:
-        """End an ongoing injected hang (tests, and a clean shutdown)."""
-        self._hang_now.set()
+        """End an ongoing injected hang or slowdown, and any later one (tests, and a clean shutdown)."""
+        self._released.set()
 
     def _crash(self, why: str) -> None:
         # Straight to stderr, flushed: logging handlers may buffer, and nothing runs after this.
-        print(f"fleet: rank {self.rank} injected crash ({why}); exiting with {FAULT_EXIT_CODE}",
+        print(f"fleet: rank {self.rank} injected crash ({why}); sending itself SIGKILL",
               file=sys.stderr, flush=True)
-        # os._exit, not sys.exit: a real crash runs no finally blocks, atexit or flushes.
-        os._exit(FAULT_EXIT_CODE)
+        # SIGKILL, not sys.exit or os._exit: a real crash runs no finally blocks, atexit
+        # handlers or flushes, and the parent sees a death by signal.
+        os.kill(os.getpid(), signal.SIGKILL)
+        # Not reached: a signal a process sends itself is delivered before kill() returns.
+        os._exit(128 + signal.SIGKILL)

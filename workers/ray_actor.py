@@ -2,7 +2,8 @@
 
 ``WorkerActor`` is a plain class; the controller makes it an actor with
 ``ray.remote(...)(WorkerActor)`` and its own resource options, so this module does not
-import Ray. One actor runs one rank of one attempt.
+import Ray. One actor runs one rank of an attempt, and may run a rank of the next attempt too (fleet
+restarts in-process: the process keeps torch loaded and its in-memory snapshots).
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ class WorkerActor:
 
     def __init__(self) -> None:
         self._listen: socket.socket | None = None
+
+    def warm(self) -> bool:
+        """Import torch and the training code now, so that this process can take a rank
+        at once (a warm spare)."""
+        from workers import train  # noqa: F401
+
+        return True
 
     def pid(self) -> int:
         """Process id of this worker (the agent watches it and kills it on orders)."""

@@ -81,7 +81,10 @@ class Reporter:
         self._sources: list[list] = []
         self._source_failing: set[int] = set()
         if spec.agent_address:
-            self._channel = grpc.insecure_channel(spec.agent_address)
+            # a restarted agent serves the same address: find it within a second, not
+            # after gRPC's default reconnect backoff (up to two minutes)
+            self._channel = grpc.insecure_channel(spec.agent_address, options=[
+                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
             self._stub = agent_pb2_grpc.NodeAgentStub(self._channel)
             self._thread = threading.Thread(
                 target=self._loop, name=f"fleet-reporter-r{spec.rank}", daemon=True)

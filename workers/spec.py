@@ -112,6 +112,7 @@ class TrainArgs:
     checkpoint_interval: int = 50  # steps between checkpoints; 0 = never
     keep_checkpoints: int = 3
     async_checkpoint: bool = True  # training goes on while a checkpoint is written
+    memory_snapshots: bool = True  # copy the state to memory after every step (workers/snapshot.py)
     # recipe options
     grad_accum_steps: int = 1      # micro-batches per optimizer step
     grad_clip: float = 1.0         # max global grad norm; 0 = no clipping

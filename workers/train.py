@@ -30,6 +30,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -39,6 +40,7 @@ from fleet_proto import events_pb2
 from workers import metrics, native_fr
 from workers.faults import FaultHooks
 from workers.native_fr import NativeFlightTail
+from workers.peer_links import PeerLinks
 from workers.recorder import FlightRecorder
 from workers.rendezvous import rendezvous_store
 from workers.reporter import Reporter
@@ -85,19 +87,30 @@ class _Emitter:
             manifest_sha256=manifest_sha256, save_s=save_s, time_ns=time.time_ns())))
 
 
-def run(spec: WorkerSpec, listen_socket: socket.socket | None = None) -> dict:
+def run(spec: WorkerSpec, listen_socket: socket.socket | None = None, *,
+        before_step: Callable[[int], None] | None = None,
+        on_step: Callable[[StepResult], None] | None = None) -> dict:
     """Train this rank to ``spec.train.steps`` and return ``{"rank", "final_step",
-    "restored_step", "stopped"}``. Raises whatever stopped training, after reporting FAILED.
+    "restored_step", "stopped", "restored_from", ...}``. Raises whatever stopped training,
+    after reporting FAILED.
 
     ``listen_socket`` (rank 0 only): an already listening socket on master_addr:master_port
-    for the rendezvous store; without it rank 0 binds one itself.
+    for the rendezvous store; without it rank 0 binds one itself. If a default process
+    group already exists (a launcher such as Ray Train made it), it is used as is and left
+    alone at the end. ``before_step(step)`` runs at the top of every step and
+    ``on_step(result)`` after every completed step (benchmark seams).
+
+    A process may call ``run`` again for a later attempt (fleet's in-process restart): the
+    in-memory snapshots of the earlier attempt (workers/snapshot.py) are still here.
     """
     os.environ.update(spec.env)
     # read by the process group at creation: must be set before init_process_group (0 turns
     # the recorder off; unset, torch records 2000 entries anyway)
     os.environ["TORCH_FR_BUFFER_SIZE"] = str(spec.fr_buffer_entries)
     torch.set_num_threads(1)  # ranks share the host's cores; more threads only contend
-    hooks = FaultHooks(spec.rank)
+    own_pg = not dist.is_initialized()
+    links: list[PeerLinks | None] = [None]  # set once the process group exists
+    hooks = FaultHooks(spec.rank, checkpoint_dir=spec.checkpoint_dir if spec.rank == 0 else "")
     reporter = Reporter(spec, hooks.on_command)
     emit = _Emitter(spec, reporter)
     tail = None
@@ -108,14 +121,16 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None) -> dict:
     result: dict = {}
     try:
         emit.status(Status.STARTING)
-        result.update(_train(spec, hooks, reporter, emit, listen_socket, tail))
+        result.update(_train(spec, hooks, reporter, emit, listen_socket, tail, before_step, on_step, links))
         emit.status(Status.FINISHED, detail="stopped by command" if result["stopped"] else "")
         return result
     except BaseException as exc:
+        if links[0] is not None:  # no peer may stay blocked on this process (peer_links.py)
+            links[0].sever()
         emit.status(Status.FAILED, detail=f"{type(exc).__name__}: {exc}"[:4000])
         raise
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and own_pg:
             if tail is not None:
                 tail.poll(force=True)  # the ring dies with the process group: ship its last entries
             # FSDP's reference cycles can keep the group alive into interpreter shutdown,
@@ -133,24 +148,33 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None) -> dict:
 def _train(
     spec: WorkerSpec, hooks: FaultHooks, reporter: Reporter, emit: _Emitter,
     listen_socket: socket.socket | None = None, tail: NativeFlightTail | None = None,
+    before_step: Callable[[int], None] | None = None,
+    on_step: Callable[[StepResult], None] | None = None,
+    links: list[PeerLinks | None] | None = None,
 ) -> dict:
+    links = links if links is not None else [None]
     train = spec.train
     recorder = FlightRecorder(spec.job_id, spec.attempt, spec.rank, reporter.emit, tail=tail)
     device = pick_device(spec.rank)
 
     t0 = time.perf_counter()
-    dist.init_process_group(
-        backend_for(device), store=rendezvous_store(spec, listen_socket), rank=spec.rank,
-        world_size=spec.world_size, timeout=timedelta(seconds=spec.pg_timeout_s))
+    if not dist.is_initialized():
+        store = rendezvous_store(spec, listen_socket)
+        dist.init_process_group(
+            backend_for(device), store=store, rank=spec.rank,
+            world_size=spec.world_size, timeout=timedelta(seconds=spec.pg_timeout_s))
+        links[0] = PeerLinks(store, spec.rank, spec.world_size, spec.master_port)
     pg_init_s = time.perf_counter() - t0
     emit.status(Status.PG_READY, phase_s=pg_init_s)
 
     t0 = time.perf_counter()
     trainer = Trainer(spec, recorder, device)
+    trainer.loss_hook = getattr(hooks, "poison_loss", None)
     try:
         restored = trainer.restore()
         restore_s = time.perf_counter() - t0
-        emit.status(Status.RESTORED, phase_s=restore_s, restored_step=restored)
+        emit.status(Status.RESTORED, phase_s=restore_s, restored_step=restored,
+                    detail=trainer.restored_from)
         emit.status(Status.TRAINING)
         t_train = time.perf_counter()
         step, stopped = restored, False
@@ -160,10 +184,14 @@ def _train(
         step_cpu_s: list[float] = []
         for step in range(restored + 1, train.steps + 1):
             t_step, cpu_step = time.perf_counter(), time.process_time()
+            if before_step is not None:
+                before_step(step)
             hooks.before_step(step)
             recorder.set_step(step)
             result = trainer.step(step, hooks.stop_requested)
             emit.step(result, trainer)
+            if on_step is not None:
+                on_step(result)
             if result.committed is not None and spec.rank == 0:
                 emit.checkpoint(*result.committed)
             stopped = result.stop
@@ -180,6 +208,7 @@ def _train(
         trainer.close()
     return {
         "rank": spec.rank, "final_step": step, "restored_step": restored, "stopped": stopped,
+        "restored_from": trainer.restored_from,
         "pg_init_s": pg_init_s, "restore_s": restore_s, "train_s": train_s,
         "step_wall_s": step_wall_s, "step_cpu_s": step_cpu_s,
     }

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from workers import checkpoint, data, flops, metrics, parallel
+from workers import checkpoint, data, flops, metrics, parallel, snapshot
 from workers.model import Transformer
 from workers.recorder import FlightRecorder
 from workers.schedule import lr_at
@@ -42,6 +43,20 @@ log = logging.getLogger(__name__)
 
 #: Router-bias step for loss-free balancing ("bias" mode), per optimizer step.
 BIAS_UPDATE_RATE = 1e-3
+
+#: Slots of the per-step stats vector before the per-rank flags: loss, router loss, stop
+#: vote, checkpoint-written flag.
+_STATS_HEAD = 4
+
+
+class NonFiniteLossError(RuntimeError):
+    """Some rank's loss was NaN or infinite: every rank raises it after the same step
+    (the controller's nan detector reads the ranks from the message)."""
+
+    def __init__(self, step: int, ranks: list[int]) -> None:
+        super().__init__(f"non-finite loss at step {step} on rank(s) {ranks}")
+        self.step = step
+        self.ranks = ranks
 
 
 @dataclass
@@ -86,33 +101,100 @@ class Trainer:
         self.ckpt: checkpoint.AsyncCheckpointer | None = None
         self._pending_save_s = 0.0
         self._data_position: int | None = None  # token-file window of the last micro-batch
+        # in-memory snapshots (workers/snapshot.py): replicated state can come from any rank
+        self.replicated = self.train.data_parallel == "ddp" and self.train.ep_size == 1
+        self.layout = (spec.job_id, repr(self.args), self.train.data_parallel, self.train.ep_size,
+                       0 if self.replicated else spec.world_size, -1 if self.replicated else spec.rank)
+        self.snapshots = self.train.memory_snapshots
+        self._live: list[torch.Tensor] = []
+        self.restored_from = ""  # "memory", "memory from rank N", "disk" or "" (fresh)
+        #: called with (step, micro-batch loss) -> loss; fault injection's NaN hook
+        self.loss_hook = None
 
     # -- checkpoints ------------------------------------------------------------------
 
     def restore(self) -> int:
-        """Load the newest valid checkpoint (chosen by rank 0) on every rank; its step or 0."""
-        chosen = torch.zeros(1, dtype=torch.int64, device=self.device)
-        if self.spec.rank == 0:
+        """Load the newest state every rank can get, on every rank; its step or 0.
+
+        One all-reduce tells every rank each rank's newest in-memory snapshot and rank 0's
+        newest valid checkpoint on disk; every rank then makes the same choice: memory
+        when it is at least as new as the disk (for replicated state from the lowest rank
+        holding the newest snapshot, by broadcast; for sharded state only when every rank
+        holds its own shard of the same step), else the disk checkpoint, else a fresh start.
+        """
+        world, rank = self.spec.world_size, self.spec.rank
+        holder = snapshot.holder()
+        holder.forget_other_jobs(self.spec.job_id)
+        snapshot.ensure_adam_state(self.optimizer)
+        mine = holder.newest(self.layout) if self.snapshots else None
+        info = torch.zeros(world + 1, dtype=torch.int64, device=self.device)
+        info[rank] = mine.step if mine is not None else 0
+        if rank == 0:
             found = checkpoint.latest_valid(self.spec.checkpoint_dir)
             if found is not None:
-                chosen[0] = found[0]
-        self.recorder.broadcast(chosen, src=0)
-        step = int(chosen.item())
-        if step:
-            path = checkpoint.step_path(self.spec.checkpoint_dir, step)
-            loaded, extra = checkpoint.load(path, self.model, self.optimizer,
-                                            ep_rank=self.meshes.ep_rank, ep_size=self.train.ep_size)
-            if loaded != step:
-                raise RuntimeError(f"checkpoint {path} holds step {loaded}, expected {step}")
-            for layer, bias in zip(self.moe, extra.get("router_bias", []), strict=False):
-                layer.expert_bias.copy_(bias)
-            log.info("rank %d: restored step %d", self.spec.rank, step)
+                info[world] = found[0]
+        self.recorder.all_reduce(info)
+        mem = [int(x) for x in info[:world].tolist()]
+        disk = int(info[world].item())
+        step = 0
+        if self.replicated and max(mem) > 0 and max(mem) >= disk:
+            step = max(mem)
+            self._restore_replicated(step, src=mem.index(step))
+        elif not self.replicated and min(mem) > 0 and max(mem) - min(mem) <= 1 and min(mem) >= disk:
+            step = min(mem)
+            self._restore_own_shard(step)
+        elif disk:
+            step = disk
+            self._restore_disk(step)
+        self._live = snapshot.state_tensors(self.model, self.optimizer)
         if self.train.checkpoint_interval > 0:
             self.ckpt = checkpoint.AsyncCheckpointer(
                 self.spec.checkpoint_dir, keep=self.train.keep_checkpoints, resume_step=step,
                 timeout=timedelta(seconds=self.spec.pg_timeout_s),
                 ep_rank=self.meshes.ep_rank, ep_size=self.train.ep_size)
+        log.info("rank %d: restored step %d (%s)", rank, step, self.restored_from or "fresh start")
         return step
+
+    def _restore_disk(self, step: int) -> None:
+        path = checkpoint.step_path(self.spec.checkpoint_dir, step)
+        loaded, extra = checkpoint.load(path, self.model, self.optimizer,
+                                        ep_rank=self.meshes.ep_rank, ep_size=self.train.ep_size)
+        if loaded != step:
+            raise RuntimeError(f"checkpoint {path} holds step {loaded}, expected {step}")
+        for layer, bias in zip(self.moe, extra.get("router_bias", []), strict=False):
+            layer.expert_bias.copy_(bias)
+        self._data_position = extra.get(checkpoint.DATA_POSITION)
+        self.restored_from = "disk"
+
+    def _restore_own_shard(self, step: int) -> None:
+        snap = snapshot.holder().get(self.layout, step)
+        if snap is None:  # cannot happen: snapshots are kept for the last two steps
+            raise RuntimeError(f"rank {self.spec.rank} lost its in-memory snapshot of step {step}")
+        snapshot.restore_into(snapshot.state_tensors(self.model, self.optimizer), snap)
+        self._data_position = snap.data_position
+        self.restored_from = "memory"
+
+    def _restore_replicated(self, step: int, src: int) -> None:
+        """Every rank gets rank ``src``'s snapshot of ``step``: one broadcast per dtype."""
+        live = snapshot.state_tensors(self.model, self.optimizer)
+        snap = snapshot.holder().get(self.layout, step) if self.spec.rank == src else None
+        for dtype, idx in snapshot.flat_groups(live).items():
+            numel = sum(live[i].numel() for i in idx)
+            if snap is not None:
+                flat = torch.cat([snap.tensors[i].reshape(-1) for i in idx]).to(self.device)
+            else:
+                flat = torch.empty(numel, dtype=dtype, device=self.device)
+            self.recorder.broadcast(flat, src=src)
+            with torch.no_grad():
+                offset = 0
+                for i in idx:
+                    n = live[i].numel()
+                    live[i].copy_(flat[offset:offset + n].view_as(live[i]))
+                    offset += n
+        if snap is not None:
+            torch.set_rng_state(snap.rng)
+            self._data_position = snap.data_position
+        self.restored_from = "memory" if self.spec.rank == src else f"memory from rank {src}"
 
     def _extra(self) -> dict:
         return {"router_bias": [layer.expert_bias.detach().cpu().clone() for layer in self.moe]}
@@ -174,6 +256,8 @@ class Trainer:
                 logits = self.model(inputs, doc_ids)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                                        ignore_index=data.IGNORE)
+                if self.loss_hook is not None:
+                    loss = self.loss_hook(step, loss)
                 aux = self._aux_loss()
             ((loss + aux) / accum).backward()
             loss_sum += loss.item() / accum
@@ -187,18 +271,25 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
         save_done = self.ckpt is not None and self.ckpt.poll_local_done()
+        nonfinite = torch.zeros(world, dtype=torch.float64)
+        nonfinite[self.spec.rank] = float(not math.isfinite(loss_sum))
         stats = torch.cat([
             torch.tensor([loss_sum, aux_sum, float(stop_requested), float(save_done)],
                          dtype=torch.float64),
+            nonfinite,
             counts.flatten(),
         ]).to(self.device)
         self.recorder.all_reduce(stats)
         stats = stats.cpu()
+        bad = [r for r in range(world) if stats[_STATS_HEAD + r].item() > 0]
+        if bad or not math.isfinite(stats[0].item()):
+            # before any snapshot or checkpoint of this step: the last good state stays newest
+            raise NonFiniteLossError(step, bad)
         stop = stats[2].item() > 0
         committed = None
         if self.ckpt is not None and self.ckpt.step is not None and int(stats[3].item()) == world:
             committed = self._commit(wait=False)
-        global_counts = stats[4:].view(len(self.moe), -1)
+        global_counts = stats[_STATS_HEAD + world:].view(len(self.moe), -1)
         if self.args.load_balance == "bias":
             for layer, c in zip(self.moe, global_counts, strict=True):
                 layer.update_bias(BIAS_UPDATE_RATE, c)
@@ -208,6 +299,8 @@ class Trainer:
             if self.ckpt.step is not None:
                 committed = self._commit(wait=True)  # the previous save must land first
             self._start_save(step)
+        if self.snapshots:
+            snapshot.holder().take(self.layout, step, self._live, self._data_position)
         return StepResult(
             step=step, loss=stats[0].item() / world, aux_loss=stats[1].item() / world,
             grad_norm=grad_norm, lr=lr, step_time_s=time.perf_counter() - t0,

@@ -7,44 +7,54 @@ from typing import Annotated
 
 import typer
 
+from controlplane.chaos import FAULT_KINDS, KIND_HELP, FaultOrder, validate_order
 from controlplane.cli.common import JsonOpt, StateDirOpt
 from controlplane.cli.render import console, print_json
 from controlplane.client import ControlClient
 from controlplane.errors import ConfigError
+from workers.faults import DEFAULT_SLOW_DELAY_S
+
+_KINDS_HELP = "\n\n".join(f"[bold]{kind}[/]: {KIND_HELP[kind]}." for kind in FAULT_KINDS)
 
 
 def inject_fault(
     job: Annotated[str, typer.Option("--job", "-j", help="Job id (see `fleet jobs`).")],
-    kind: Annotated[str, typer.Option("--kind", "-k", help="Fault kind: crash (the process exits), "
-                                      "hang (the rank stops before its next collective).")],
-    rank: Annotated[int | None, typer.Option("--rank", "-r", help="Target rank.")] = None,
+    kind: Annotated[str, typer.Option("--kind", "-k", help=f"Fault kind: {', '.join(FAULT_KINDS)} (see above).")],
+    rank: Annotated[int | None, typer.Option(
+        "--rank", "-r", help="Target rank (agent-down, partition, node-down: that rank's node).")] = None,
     node: Annotated[str | None, typer.Option("--node", "-n", help="Target node (every rank on it).")] = None,
-    at_step: Annotated[int, typer.Option("--at-step", help="Fire when the rank reaches this step (0 = now).")] = 0,
-    duration: Annotated[
-        float, typer.Option("--duration", help="hang: seconds to stay stuck (0 = until killed).")
-    ] = 0.0,
+    at_step: Annotated[int, typer.Option("--at-step", help="Fire when the job reaches this step (0 = now).")] = 0,
+    after: Annotated[float, typer.Option(
+        "--after", help="Or: fire this many seconds from now (0 = now).")] = 0.0,
+    duration: Annotated[float, typer.Option(
+        "--duration", help="hang, slow, agent-down, partition, node-down: seconds it lasts (0 = indefinitely).")] = 0.0,
+    delay: Annotated[float, typer.Option(
+        "--delay", help=f"slow: extra seconds per step (0 = {DEFAULT_SLOW_DELAY_S:g}).")] = 0.0,
     controller: Annotated[str | None, typer.Option("--controller", help="Controller host:port.")] = None,
     state_dir: StateDirOpt = Path(".fleet"),
     json_out: JsonOpt = False,
 ) -> None:
-    """Inject a fault into a running job: CLI -> ControlService -> agent -> worker."""
-    if (rank is None) == (node is None):
-        raise ConfigError("give exactly one of --rank or --node")
+    """Inject a fault into a running job: CLI -> ControlService -> controller, agent or worker."""
     if rank is not None and rank < 0:
-        raise ConfigError("--rank must be >= 0")
-    if at_step < 0:
-        raise ConfigError("--at-step must be >= 0")
-    if duration < 0:
-        raise ConfigError("--duration must be >= 0")
+        raise ConfigError(f"--rank: must be >= 0 (got {rank})")
+    order = FaultOrder(kind=kind, rank=-1 if rank is None else rank, node=node or "", at_step=at_step,
+                       after_s=after, duration_s=duration, delay_s=delay)
+    validate_order(order)
     with ControlClient.from_state_dir(state_dir, controller) as client:
-        reply = client.inject_fault(job, kind, rank=-1 if rank is None else rank, node=node or "",
-                                    at_step=at_step, duration_s=duration)
+        reply = client.inject_fault(job, kind, rank=order.rank, node=order.node, at_step=at_step,
+                                    duration_s=duration, after_s=after, delay_s=delay)
     if json_out:
         print_json({"command_id": reply.command_id, "attempt": reply.attempt,
                     "ranks": list(reply.ranks), "node": reply.node})
         return
-    when = f"at step {at_step}" if at_step else "now"
+    if reply.ranks:
+        target = f"rank(s) {list(reply.ranks)} on {reply.node}"
+    else:
+        target = reply.node or f"job {job}"
+    when = f"at step {at_step}" if at_step else f"in {after:g} s" if after else "now"
     console.print(
-        f"injected [bold]{kind}[/] into rank(s) {list(reply.ranks)} on {reply.node} "
-        f"(attempt {reply.attempt}, {when}); command {reply.command_id}"
+        f"injected [bold]{kind}[/] into {target} (attempt {reply.attempt}, {when}); command {reply.command_id}"
     )
+
+
+inject_fault.__doc__ = f"{inject_fault.__doc__}\n\n{_KINDS_HELP}"

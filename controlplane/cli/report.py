@@ -22,7 +22,8 @@ def report(
     with open_store(store, cluster) as st:
         job = st.get_job(job_id)
         out = job_report(job, st.get_attempts(job_id), st.steps(job_id), st.incidents(job_id),
-                         st.actions(job_id), st.checkpoints(job_id), st.list_nodes(), time.time())
+                         st.actions(job_id), st.checkpoints(job_id), st.list_nodes(), time.time(),
+                         st.recoveries(job_id))
     if json_out:
         print_json(out)
         return
@@ -35,8 +36,20 @@ def report(
                 [[k.removesuffix("_s"), f"{v:.2f}", f"{v / out['wall_s']:.1%}"]
                  for k, v in out["lost_s"].items()])
     if out["incidents"]:
-        print_table("incidents", ["attempt", "kind", "rank", "node", "detected after s", "recovery s"],
-                    [[i["attempt"], i["kind"], i["rank"], i["node"], i["detected_after_s"],
-                      "-" if i["recovery_s"] is None else i["recovery_s"]] for i in out["incidents"]])
+        print_table("incidents", ["attempt", "kind", "rank", "node", "detected after s", "recovery s",
+                                  "steps lost", "restored from"],
+                    [[i["attempt"], i["kind"], i["rank"], i["node"], _dash(i["detected_after_s"]),
+                      _dash(i["recovery_s"]), _dash(i.get("steps_lost")), i.get("restored_from") or "-"]
+                     for i in out["incidents"]])
+        timed = [i for i in out["incidents"] if i.get("phases")]
+        if timed:
+            phases = list(timed[0]["phases"])
+            print_table("recovery by phase (s)", ["attempt", *phases, "failure to first step"],
+                        [[i["attempt"], *(f"{i['phases'][p]:.2f}" for p in phases),
+                          f"{i['failure_to_first_step_s']:.2f}"] for i in timed])
     for cause in out["quarantines"]:
         console.print(f"[yellow]quarantine:[/] {cause}", highlight=False)
+
+
+def _dash(value: object) -> object:
+    return "-" if value is None else value

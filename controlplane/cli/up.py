@@ -45,6 +45,11 @@ def up(
     ] = DEFAULT_CLUSTER_FILE,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show controller logs.")] = False,
+    resume: Annotated[
+        str, typer.Option("--resume", metavar="JOB",
+                          help="Take over JOB, whose controller died: end what it left running and go on "
+                               "from the newest valid checkpoint.")
+    ] = "",
 ) -> None:
     """Run the job described in a cluster.yaml until it succeeds, fails for good, or is stopped."""
     # imported here: the other commands need no controller, and start faster without it
@@ -76,7 +81,8 @@ def up(
         def show(p: JobProgress) -> None:
             bar.update(task, completed=p.step, job=p.job_id, state=p.state, attempt=p.attempt, msg=p.message)
 
-        controller = Controller(config, store, config_json=config.model_dump_json(), on_progress=show)
+        controller = Controller(config, store, config_json=config.model_dump_json(), on_progress=show,
+                                resume_job=resume)
         try:
             with _stdout_to(log_path), bar:
                 result = controller.run()

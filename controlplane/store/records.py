@@ -177,6 +177,31 @@ class IncidentRecord:
 
 
 @dataclass(frozen=True)
+class RecoveryRecord:
+    """One restart, phase by phase (seconds). ``failed_at`` is the wall time of the failed
+    attempt's last step; ``total_s`` runs from it to the first step of ``attempt``."""
+
+    job_id: str
+    incident_id: int | None
+    failed_attempt: int
+    attempt: int
+    failed_at: float
+    detect_s: float
+    teardown_s: float
+    place_s: float
+    pg_init_s: float
+    restore_s: float
+    first_step_s: float
+    total_s: float
+    restored_step: int
+    steps_lost: int
+    restored_from: str
+    reused_workers: int
+
+    PHASES = ("detect_s", "teardown_s", "place_s", "pg_init_s", "restore_s", "first_step_s")
+
+
+@dataclass(frozen=True)
 class ActionRecord:
     id: int
     job_id: str

@@ -238,6 +238,31 @@ class Incident(Base):
     detected_at: Mapped[float] = mapped_column(Float)
 
 
+class Recovery(Base):
+    """How long one restart took, phase by phase (seconds), from the failure to the first
+    step of the next attempt."""
+
+    __tablename__ = "recoveries"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN), _job_fk(), index=True)
+    incident_id: Mapped[int | None] = mapped_column(BigInteger)
+    failed_attempt: Mapped[int] = mapped_column(Integer)
+    attempt: Mapped[int] = mapped_column(Integer)
+    failed_at: Mapped[float] = mapped_column(Float)      # last progress of the failed attempt
+    detect_s: Mapped[float] = mapped_column(Float)
+    teardown_s: Mapped[float] = mapped_column(Float)
+    place_s: Mapped[float] = mapped_column(Float)
+    pg_init_s: Mapped[float] = mapped_column(Float)
+    restore_s: Mapped[float] = mapped_column(Float)
+    first_step_s: Mapped[float] = mapped_column(Float)
+    total_s: Mapped[float] = mapped_column(Float)
+    restored_step: Mapped[int] = mapped_column(BigInteger)
+    steps_lost: Mapped[int] = mapped_column(BigInteger)
+    restored_from: Mapped[str] = mapped_column(String(64))
+    reused_workers: Mapped[int] = mapped_column(Integer)
+
+
 class Action(Base):
     __tablename__ = "actions"
 

@@ -46,6 +46,7 @@ from controlplane.store.records import (
     NodeRecord,
     ProcessGroupRecord,
     RankRecord,
+    RecoveryRecord,
     SdcCheckRecord,
     StepRecord,
     TransitionRecord,
@@ -64,6 +65,7 @@ from controlplane.store.schema import (
     Node,
     ProcessGroupRow,
     Rank,
+    Recovery,
     SdcCheck,
     Step,
     Transition,
@@ -71,7 +73,8 @@ from controlplane.store.schema import (
 )
 from fleet_proto import events_pb2
 
-ACTION_KINDS = frozenset({"restart", "quarantine", "release", "rollback", "stop", "inject_fault"})
+ACTION_KINDS = frozenset({"restart", "quarantine", "release", "rollback", "stop", "inject_fault",
+                          "restart_agent", "shrink"})
 SDC_KINDS = ingest.SDC_KINDS
 DROP_SOURCES = frozenset({"agent", "controller"})
 NODE_HEALTHY = "healthy"
@@ -450,6 +453,20 @@ class Store:
                              .order_by(Incident.detected_at, Incident.id)).all()
             return [self._incident_record(r) for r in rows]
 
+    def record_recovery(self, r: RecoveryRecord) -> None:
+        """Store how one restart went, phase by phase."""
+        try:
+            with self._tx(write=True) as s:
+                s.add(Recovery(**dataclasses.asdict(r)))
+        except IntegrityError as e:
+            raise NotFoundError(f"job {r.job_id!r} not found") from e
+
+    def recoveries(self, job_id: str) -> list[RecoveryRecord]:
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(Recovery).where(Recovery.job_id == job_id).order_by(Recovery.id)).all()
+            return [RecoveryRecord(**{f.name: getattr(r, f.name) for f in dataclasses.fields(RecoveryRecord)})
+                    for r in rows]
+
     def record_action(self, job_id: str, attempt: int, kind: str, cause: str) -> int:
         """Store an action (restart, quarantine, rollback, stop, inject_fault, ...); return its id."""
         if kind not in ACTION_KINDS:
@@ -529,6 +546,15 @@ class Store:
             stmt = stmt.where(Step.attempt == attempt)
         with self._tx(write=False) as s:
             return s.scalar(stmt) or 0
+
+    def step_span(self, job_id: str, attempt: int) -> tuple[int, int, int] | None:
+        """``(first step's end_ns, last step, last step's end_ns)`` of ``attempt`` (over all
+        ranks), or None before its first step."""
+        stmt = (select(func.min(Step.end_ns), func.max(Step.step), func.max(Step.end_ns))
+                .where(Step.job_id == job_id, Step.attempt == attempt))
+        with self._tx(write=False) as s:
+            first, last, last_end = s.execute(stmt).one()
+        return None if first is None else (int(first), int(last), int(last_end))
 
     def collectives(self, job_id: str, attempt: int | None = None, rank: int | None = None,
                     group: str | None = None) -> list[CollectiveRecord]:
@@ -675,3 +701,52 @@ class Store:
                                      events=r.events, reason=r.reason, source=r.source,
                                      at=r.at)
                     for r in s.scalars(stmt.order_by(IngestDrop.at, IngestDrop.id))]
+
+    # -- live diagnosis -------------------------------------------------------------------
+
+    #: Most process groups ``recent_collectives`` reads of one attempt.
+    RECENT_GROUPS_MAX = 4096
+
+    def recent_collectives(self, job_id: str, attempt: int, per_group: int) -> list[CollectiveRecord]:
+        """The newest collectives of an attempt, for a live diagnosis: in every group,
+        those within ``per_group`` sequence numbers of the group's highest, plus the last
+        one of each declared member that is further behind. Ordered by rank, group, seq.
+
+        Index lookups only: a few per group and per lagging member, and ``per_group``
+        rows per group and member, however many collectives the attempt has stored."""
+        t = Collective.__table__
+        c = t.c
+        base = (c.job_id == job_id, c.attempt == attempt)
+        with self._tx(write=False) as s:
+            groups: list[str] = []
+            while len(groups) < self.RECENT_GROUPS_MAX:  # a skip scan over the group index
+                stmt = select(func.min(c.group_name)).where(*base)
+                name = s.scalar(stmt.where(c.group_name > groups[-1]) if groups else stmt)
+                if name is None:
+                    break
+                groups.append(name)
+            members: dict[str, set[int]] = {}
+            for g in s.scalars(select(ProcessGroupRow).where(ProcessGroupRow.job_id == job_id,
+                                                             ProcessGroupRow.attempt == attempt)):
+                members.setdefault(g.group_name, set()).update(json.loads(g.ranks))
+            rows = []
+            for g in groups:
+                top = s.scalar(select(func.max(c.seq)).where(*base, c.group_name == g))
+                window = s.execute(select(t).where(*base, c.group_name == g,
+                                                   c.seq > top - per_group)).all()
+                rows += window
+                behind = members.get(g, set()) - {r.rank for r in window}
+                for rank in sorted(behind):
+                    last = s.execute(select(t).where(*base, c.rank == rank, c.group_name == g)
+                                     .order_by(c.seq.desc()).limit(1)).first()
+                    if last is not None:
+                        rows.append(last)
+        rows.sort(key=lambda r: (r.rank, r.group_name, r.seq))
+        return [CollectiveRecord(
+            job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
+            group_size=r.group_size, seq=r.seq, op=r.op,
+            input_sizes=_sizes(r.input_sizes), input_dtypes=tuple(json.loads(r.input_dtypes)),
+            output_sizes=_sizes(r.output_sizes), output_dtypes=tuple(json.loads(r.output_dtypes)),
+            enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
+            exit_estimated=bool(r.exit_estimated),
+        ) for r in rows]

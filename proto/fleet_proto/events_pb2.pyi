@@ -253,14 +253,18 @@ class Event(_message.Message):
     def __init__(self, collective: _Optional[_Union[CollectiveEvent, _Mapping]] = ..., step: _Optional[_Union[StepEvent, _Mapping]] = ..., status: _Optional[_Union[WorkerStatus, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointEvent, _Mapping]] = ..., group: _Optional[_Union[ProcessGroupInfo, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., sdc: _Optional[_Union[SdcCheckEvent, _Mapping]] = ...) -> None: ...
 
 class FaultSpec(_message.Message):
-    __slots__ = ("kind", "at_step", "duration_s")
+    __slots__ = ("kind", "at_step", "duration_s", "after_s", "delay_s")
     KIND_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    DELAY_S_FIELD_NUMBER: _ClassVar[int]
     kind: str
     at_step: int
     duration_s: float
-    def __init__(self, kind: _Optional[str] = ..., at_step: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+    after_s: float
+    delay_s: float
+    def __init__(self, kind: _Optional[str] = ..., at_step: _Optional[int] = ..., duration_s: _Optional[float] = ..., after_s: _Optional[float] = ..., delay_s: _Optional[float] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("command_id", "job_id", "attempt", "rank", "fault", "stop")

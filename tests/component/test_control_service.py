@@ -42,8 +42,8 @@ def test_wrong_token_is_refused_and_changes_nothing(controller, job_id) -> None:
     ("kwargs", "error", "text"),
     [
         ({"kind": "meteor", "rank": 0}, ConfigError, "unknown fault kind 'meteor'"),
-        ({"kind": "crash"}, ConfigError, "give a rank"),
-        ({"kind": "crash", "rank": 0, "at_step": -3}, ConfigError, "at_step"),
+        ({"kind": "crash"}, ConfigError, "needs a rank or a node"),
+        ({"kind": "crash", "rank": 0, "at_step": -3}, ConfigError, "--at-step: must be >= 0"),
         ({"kind": "crash", "rank": 99}, NotFoundError, "rank 99"),
     ],
 )

@@ -60,7 +60,7 @@ def test_upgrade_from_empty_reaches_head_and_matches_the_models(store_url: str,
                                                                  engine: Engine) -> None:
     assert migrate.inspect_url(store_url).state == migrate.EMPTY
     assert migrate.upgrade_url(store_url) == (None, migrate.head())
-    assert migrate.current(engine) == migrate.head() == "0002"
+    assert migrate.current(engine) == migrate.head() == "0003"
     with engine.connect() as conn:
         # Alembic misreads SQLite's DEFAULT '' as a difference; its defaults are checked below.
         ctx = MigrationContext.configure(conn, opts={
@@ -69,7 +69,7 @@ def test_upgrade_from_empty_reaches_head_and_matches_the_models(store_url: str,
         defaults = {c["name"]: c["default"] for c in inspect(conn).get_columns("nodes")}
         assert [defaults["health"].split("::")[0], defaults["health_reason"].split("::")[0]] == [
             "'unknown'", "''"]
-    assert migrate.upgrade_url(store_url) == ("0002", "0002")
+    assert migrate.upgrade_url(store_url) == ("0003", "0003")
 
 
 def test_at_head_opening_costs_one_query(store_url: str) -> None:
@@ -79,7 +79,7 @@ def test_at_head_opening_costs_one_query(store_url: str) -> None:
     event.listen(eng, "before_cursor_execute",
                  lambda _c, _cur, sql, *_a: statements.append(sql.strip().upper()))
     try:
-        assert migrate.upgrade(write) == ("0002", "0002")
+        assert migrate.upgrade(write) == ("0003", "0003")
     finally:
         eng.dispose()
     assert [s for s in statements if s not in ("BEGIN", "ROLLBACK", "COMMIT")] == [
@@ -111,7 +111,7 @@ def test_store_made_before_migrations_is_stamped_and_upgraded(store_url: str,
             "('n1', 'r1', 'h1', '{}', 'quarantined', 'bad GEMM', 5.0, 6.0)"))
     assert migrate.inspect_url(store_url).state == migrate.UNVERSIONED
 
-    assert migrate.upgrade_url(store_url) == ("0001", "0002")
+    assert migrate.upgrade_url(store_url) == ("0001", "0003")
     with Store(store_url) as store:
         job = store.get_job("j-old")
         assert (job.name, job.state.value, job.steps_completed) == ("llama", "RUNNING", 3)
@@ -121,7 +121,7 @@ def test_store_made_before_migrations_is_stamped_and_upgraded(store_url: str,
         (node,) = store.list_nodes()
         assert (node.state, node.quarantine_reason, node.health, node.health_reason) == (
             "quarantined", "bad GEMM", "unknown", "")
-    assert migrate.current(engine) == "0002"
+    assert migrate.current(engine) == "0003"
 
 
 def test_store_made_before_migrations_that_lacks_a_table_is_refused(store_url: str,
@@ -213,19 +213,19 @@ def test_concurrent_first_opens_from_processes(store_url: str, tmp_path: Path) -
 def test_fleet_db_upgrade_and_current(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["db", "current", "--url", store_url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "url": store_url, "current": None, "head": "0002", "state": "empty"}
+        "url": store_url, "current": None, "head": "0003", "state": "empty"}
 
     assert main(["db", "upgrade", "--url", store_url]) == 0
     out = capsys.readouterr().out
-    assert out.strip() == f"store {store_url} upgraded (empty) -> 0002"
+    assert out.strip() == f"store {store_url} upgraded (empty) -> 0003"
     assert main(["db", "upgrade", "--url", store_url]) == 0
-    assert capsys.readouterr().out.strip() == f"store {store_url} already at 0002 (head)"
+    assert capsys.readouterr().out.strip() == f"store {store_url} already at 0003 (head)"
 
     assert main(["db", "current", "--url", store_url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "url": store_url, "current": "0002", "head": "0002", "state": "head"}
+        "url": store_url, "current": "0003", "head": "0003", "state": "head"}
     assert main(["db", "current", "--url", store_url]) == 0
-    assert capsys.readouterr().out.strip() == f"store {store_url} at 0002 (head)"
+    assert capsys.readouterr().out.strip() == f"store {store_url} at 0003 (head)"
 
 
 def test_fleet_db_with_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -233,7 +233,7 @@ def test_fleet_db_with_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixt
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(f"name: demo\nstore:\n  url: {url}\n")
     assert main(["db", "upgrade", "--cluster", str(cluster)]) == 0
-    assert capsys.readouterr().out.strip() == f"store {url} upgraded (empty) -> 0002"
+    assert capsys.readouterr().out.strip() == f"store {url} upgraded (empty) -> 0003"
 
 
 @pytest.mark.parametrize("url, code", [

@@ -10,7 +10,7 @@ import pytest
 
 from controlplane.errors import ConfigError, FleetError, NotFoundError, StateError
 from controlplane.lifecycle import AttemptState, JobState
-from controlplane.store import Store
+from controlplane.store import RecoveryRecord, Store
 from fleet_proto import events_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -425,3 +425,18 @@ def test_incidents_on_a_node_span_jobs_and_respect_the_window(store: Store, job:
     got = store.incidents_on_node("node-0", since=t0 - 1)
     assert [(i.job_id, i.kind, i.rank) for i in got] == [(job, "crash", 0), (other, "hang", 2)]
     assert store.incidents_on_node("node-0", since=time.time() + 60) == []
+
+
+def test_step_span_and_recoveries(store: Store, job: str) -> None:
+    assert store.step_span(job, 1) is None
+    store.record_batch("a", 1, 1, [step_ev(job, 4, rank=0), step_ev(job, 5, rank=1), step_ev(job, 3, rank=1)])
+    assert store.step_span(job, 1) == (3000, 5, 5000)
+    rec = RecoveryRecord(
+        job_id=job, incident_id=7, failed_attempt=1, attempt=2, failed_at=100.0, detect_s=0.4,
+        teardown_s=0.1, place_s=0.05, pg_init_s=0.2, restore_s=0.3, first_step_s=0.15, total_s=1.2,
+        restored_step=4, steps_lost=1, restored_from="memory", reused_workers=3)
+    store.record_recovery(rec)
+    assert store.recoveries(job) == [rec]
+    assert store.recoveries("j-none") == []
+    with pytest.raises(NotFoundError):
+        store.record_recovery(RecoveryRecord(**{**rec.__dict__, "job_id": "j-none"}))

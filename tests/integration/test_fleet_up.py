@@ -36,10 +36,10 @@ def write_cluster(tmp: Path, *, steps: int, checkpoint_interval: int, **job: obj
 class FleetUp:
     """A `fleet up` child process, watched: its process tree and listening sockets."""
 
-    def __init__(self, tmp: Path, cluster: Path) -> None:
+    def __init__(self, tmp: Path, cluster: Path, args: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
         self.proc = subprocess.Popen(
-            [*FLEET, "up", "--cluster", str(cluster), "--json"],
+            [*FLEET, "up", "--cluster", str(cluster), "--json", *args],
             cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         self.seen_pids: set[int] = set()
@@ -245,9 +245,10 @@ def test_injected_crash_restarts_from_the_newest_checkpoint(tmp_path: Path) -> N
 
 
 def test_injected_hang_is_blamed_by_the_flight_recorder(tmp_path: Path) -> None:
-    """Rank 1 stops before a collective; its peers wait in it until the process-group
-    timeout. No process died, so the desync verdict over the stored traces names the
-    culprit; the attempt restarts from the newest checkpoint and the job completes."""
+    """Rank 1 stops before a collective; its peers wait in it. The live hang detector
+    sees no step end past its threshold, and the desync verdict over the stored traces
+    names the culprit, long before the process-group timeout; the culprit is killed, the
+    attempt restarts from the newest checkpoint and the job completes."""
     steps, interval, hang_step = 40, 10, 25
     cluster = write_cluster(tmp_path, steps=steps, checkpoint_interval=interval, pg_timeout_s=8, max_restarts=1)
     cfg = yaml.safe_load(cluster.read_text())
@@ -264,7 +265,7 @@ def test_injected_hang_is_blamed_by_the_flight_recorder(tmp_path: Path) -> None:
     with store_of(tmp_path) as store:
         incidents = store.incidents(job_id)
         assert [(i.kind, i.detector, i.rank, i.node, i.attempt) for i in incidents] == [
-            ("hang", "flight-recorder", 1, "node-0", 1)], incidents
+            ("hang", "hang", 1, "node-0", 1)], incidents
         assert "culprit rank 1" in incidents[0].evidence
         first, second = store.get_attempts(job_id)
         assert first.final_step == hang_step - 1 and second.restored_step == 20

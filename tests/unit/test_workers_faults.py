@@ -1,51 +1,89 @@
-"""workers/faults.py: crash injection exits the process with FAULT_EXIT_CODE; stop sets a flag."""
+"""workers/faults.py: every fault kind a rank acts on (crash by SIGKILL, hang, slow, nan),
+arming at a step, kinds that are not a rank's, and the stop flag."""
 
 from __future__ import annotations
 
+import math
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+import torch
 
 from fleet_proto import events_pb2
 from tests.unit.test_workers_support import REPO_ROOT
-from workers.faults import FAULT_EXIT_CODE, FaultHooks
+from workers.faults import DEFAULT_SLOW_DELAY_S, FAULT_EXIT_CODE, WORKER_KINDS, FaultHooks
 
 pytestmark = pytest.mark.timeout(60)
 
 
+def _fault(kind: str, at_step: int = 0, **fields: float) -> events_pb2.Command:
+    return events_pb2.Command(command_id=kind[0], rank=0,
+                              fault=events_pb2.FaultSpec(kind=kind, at_step=at_step, **fields))
+
+
 def _crash(at_step: int) -> events_pb2.Command:
-    return events_pb2.Command(command_id="c", rank=0, fault=events_pb2.FaultSpec(kind="crash", at_step=at_step))
+    return _fault("crash", at_step)
+
+
+# -- crash: a death by SIGKILL, in a fresh interpreter --------------------------------------
+
+
+def _no_cleanup_marks() -> None:
+    """What a process that exits normally would print on the way out."""
+    import atexit
+
+    atexit.register(lambda: print("atexit ran", flush=True))
 
 
 def _immediate() -> None:
-    FaultHooks(0).on_command(_crash(0))
+    _no_cleanup_marks()
+    try:
+        FaultHooks(0).on_command(_crash(0))
+    finally:
+        print("finally ran", flush=True)
 
 
 def _armed() -> None:
+    _no_cleanup_marks()
     hooks = FaultHooks(0)
     hooks.on_command(_crash(3))
     hooks.before_step(1)
     hooks.before_step(2)
     print("survived step 2", flush=True)
-    hooks.before_step(3)
+    try:
+        hooks.before_step(3)
+    finally:
+        print("finally ran", flush=True)
 
 
-def _exit_code(target) -> int:
-    """Run ``target`` in a fresh interpreter; its exit status."""
+def _run(target) -> subprocess.CompletedProcess:
+    """Run ``target`` in a fresh interpreter."""
     code = f"from tests.unit.test_workers_faults import {target.__name__} as t; t()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=30)
     assert "injected crash" in proc.stderr
-    return proc.returncode
+    return proc
 
 
-def test_immediate_crash_exits_with_fault_code():
-    assert _exit_code(_immediate) == FAULT_EXIT_CODE
+def test_fault_exit_code_is_death_by_sigkill():
+    assert FAULT_EXIT_CODE == -signal.SIGKILL == -9
+
+
+def test_immediate_crash_dies_by_sigkill_without_cleanup():
+    proc = _run(_immediate)
+    assert proc.returncode == FAULT_EXIT_CODE
+    assert "finally ran" not in proc.stdout and "atexit ran" not in proc.stdout
 
 
 def test_armed_crash_fires_at_its_step():
-    assert _exit_code(_armed) == FAULT_EXIT_CODE
+    proc = _run(_armed)
+    assert proc.returncode == FAULT_EXIT_CODE
+    assert "survived step 2" in proc.stdout
+    assert "finally ran" not in proc.stdout and "atexit ran" not in proc.stdout
 
 
 def test_arming_keeps_the_earliest_step_and_does_not_fire_early():
@@ -57,25 +95,37 @@ def test_arming_keeps_the_earliest_step_and_does_not_fire_early():
     hooks.before_step(4)  # returns: not yet
 
 
-def test_stop_and_unknown_kinds():
+@pytest.mark.parametrize("kind", ["bitflip", "node-down", "agent-down", "partition", "controller-crash"])
+def test_kinds_that_are_not_a_ranks_are_ignored(kind):
+    assert kind not in WORKER_KINDS
+    hooks = FaultHooks(1, sleep=lambda s: pytest.fail("slept"))
+    hooks.on_command(_fault(kind, duration_s=5))
+    hooks.before_step(1)
+    loss = torch.tensor(2.0)
+    assert hooks.poison_loss(1, loss) is loss
+    assert hooks.armed_crash_step is None and hooks.armed_nan_step is None and not hooks.stop_requested
+
+
+def test_stop_and_commands_without_a_kind():
     hooks = FaultHooks(1)
-    hooks.on_command(events_pb2.Command(command_id="x", fault=events_pb2.FaultSpec(kind="bitflip")))
     hooks.on_command(events_pb2.Command(command_id="y"))
     assert hooks.armed_crash_step is None and not hooks.stop_requested
     hooks.on_command(events_pb2.Command(command_id="s", stop=True))
     assert hooks.stop_requested
 
 
-def _hang(at_step: int, duration_s: float) -> events_pb2.Command:
-    return events_pb2.Command(command_id="h", rank=0,
-                              fault=events_pb2.FaultSpec(kind="hang", at_step=at_step, duration_s=duration_s))
+def test_after_s_is_the_controllers_and_ignored_here():
+    hooks = FaultHooks(0)
+    hooks.on_command(_fault("crash", 4, after_s=30))
+    assert hooks.armed_crash_step == 4
+
+
+# -- hang ----------------------------------------------------------------------------------
 
 
 def test_hang_blocks_the_step_for_its_duration_then_returns():
-    import time
-
     hooks = FaultHooks(0)
-    hooks.on_command(_hang(3, 0.3))
+    hooks.on_command(_fault("hang", 3, duration_s=0.3))
     t0 = time.monotonic()
     hooks.before_step(2)
     assert time.monotonic() - t0 < 0.2  # not armed for step 2
@@ -87,10 +137,8 @@ def test_hang_blocks_the_step_for_its_duration_then_returns():
 
 
 def test_endless_hang_ends_on_release():
-    import threading
-
     hooks = FaultHooks(0)
-    hooks.on_command(_hang(0, 0))
+    hooks.on_command(_fault("hang", 0))
     done = threading.Event()
     t = threading.Thread(target=lambda: (hooks.before_step(1), done.set()), name="fleet-test-hang")
     t.start()
@@ -98,3 +146,93 @@ def test_endless_hang_ends_on_release():
     hooks.release()
     assert done.wait(10)
     t.join(10)
+
+
+# -- slow: a fake clock and a recording sleep ---------------------------------------------------
+
+
+class _Time:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[tuple[int, float]] = []
+        self.step = 0
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append((self.step, seconds))
+
+    def hooks(self) -> FaultHooks:
+        return FaultHooks(0, clock=lambda: self.now, sleep=self.sleep)
+
+    def run(self, hooks: FaultHooks, step: int, now: float) -> None:
+        self.step, self.now = step, now
+        hooks.before_step(step)
+
+
+def test_slow_sleeps_every_step_from_the_armed_one_for_its_duration():
+    t = _Time()
+    hooks = t.hooks()
+    hooks.on_command(_fault("slow", 3, delay_s=0.5, duration_s=10))
+    for step, now in [(1, 0.0), (2, 1.0), (3, 100.0), (4, 105.0), (5, 109.9), (6, 110.0), (7, 500.0)]:
+        t.run(hooks, step, now)
+    # the duration counts from the first slowed step (t=100), not from the order
+    assert t.sleeps == [(3, 0.5), (4, 0.5), (5, 0.5)]
+
+
+def test_slow_without_duration_lasts_the_attempt_and_defaults_its_delay():
+    t = _Time()
+    hooks = t.hooks()
+    hooks.on_command(_fault("slow", 0))
+    for step in range(1, 6):
+        t.run(hooks, step, now=step * 1e6)
+    assert t.sleeps == [(s, DEFAULT_SLOW_DELAY_S) for s in range(1, 6)]
+    assert DEFAULT_SLOW_DELAY_S == 0.3
+
+
+def test_a_new_slow_order_replaces_the_armed_one():
+    t = _Time()
+    hooks = t.hooks()
+    hooks.on_command(_fault("slow", 2, delay_s=1.0))
+    t.run(hooks, 2, 0.0)
+    hooks.on_command(_fault("slow", 4, delay_s=0.1, duration_s=1))
+    for step, now in [(3, 1.0), (4, 2.0), (5, 2.5), (6, 3.0)]:
+        t.run(hooks, step, now)
+    assert t.sleeps == [(2, 1.0), (4, 0.1), (5, 0.1)]
+
+
+def test_real_slow_step_takes_its_delay_and_release_ends_it():
+    hooks = FaultHooks(0)
+    hooks.on_command(_fault("slow", 1, delay_s=0.2))
+    t0 = time.monotonic()
+    hooks.before_step(1)
+    assert 0.2 <= time.monotonic() - t0 < 5
+    hooks.release()
+    t1 = time.monotonic()
+    hooks.before_step(2)
+    assert time.monotonic() - t1 < 0.1
+
+
+# -- nan -----------------------------------------------------------------------------------------
+
+
+def test_nan_poisons_one_loss_at_the_armed_step():
+    hooks = FaultHooks(0)
+    hooks.on_command(_fault("nan", 3))
+    assert hooks.armed_nan_step == 3
+    loss = torch.tensor(1.5, requires_grad=True)
+    assert hooks.poison_loss(2, loss) is loss
+    poisoned = hooks.poison_loss(3, loss)
+    assert math.isnan(poisoned.item())
+    poisoned.backward()  # the NaN reaches the gradients, as a real one would
+    assert math.isnan(loss.grad.item())
+    assert hooks.poison_loss(3, loss) is loss  # once: the next micro-batch is clean
+    assert hooks.poison_loss(4, loss) is loss
+    assert hooks.armed_nan_step is None
+
+
+def test_nan_at_step_zero_poisons_the_next_loss_and_late_steps_still_fire():
+    hooks = FaultHooks(0)
+    hooks.on_command(_fault("nan", 0))
+    assert math.isnan(hooks.poison_loss(17, torch.tensor(1.0)).item())
+    hooks.on_command(_fault("nan", 5))
+    # the loop skipped step 5 (restored past it): the first step >= 5 gets it
+    assert math.isnan(hooks.poison_loss(8, torch.tensor(1.0)).item())
