@@ -300,8 +300,9 @@ class JobConfig(_Section):
     max_restarts: int = Field(3, ge=0, le=1000, description="Attempts after the first before giving up.")
     restart_backoff_s: float = Field(
         1.0, ge=0, le=3600,
-        description="Pause before the second and later restarts of a job, doubling each time (the first "
-        "restart is immediate); capped at 60 s.",
+        description="Pause before a restart that follows attempts failing before their first step, doubling "
+        "with each such attempt in a row (capped at 60 s); a restart after an attempt that made progress is "
+        "immediate.",
     )
     min_nodes: int = Field(
         0, ge=0, le=100_000,

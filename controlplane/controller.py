@@ -134,6 +134,7 @@ class Controller:
         self._attempt = 0
         self._placement: list[str] = []          # node name of each rank, current attempt
         self._restarts = 0
+        self._fruitless = 0                      # failed attempts in a row without a step
         self._group = None                       # the running WorkerGroup, for teardown
         self._pool = None                        # WorkerPool: processes across attempts
         self._agents = None                      # AgentSet
@@ -410,8 +411,10 @@ class Controller:
             self.store.record_action(self.job_id, attempt, "restart", decision.reason)
             self.store.set_job_state(self.job_id, JobState.RESTARTING, decision.reason)
             self._progress(decision.reason)
-            # the first restart is immediate; later ones back off, doubling
-            backoff = 0.0 if self._restarts == 1 else min(60.0, cfg.job.restart_backoff_s * 2 ** (self._restarts - 2))
+            # after an attempt that made progress: at once; after attempts that failed before
+            # their first step: restart_backoff_s, doubling each time
+            backoff = 0.0 if self._fruitless == 0 else \
+                min(60.0, cfg.job.restart_backoff_s * 2 ** (self._fruitless - 1))
             t = time.monotonic()
             if backoff and self._stop.wait(backoff):
                 return self._finish(JobState.STOPPED, self._stop_reason)
@@ -440,7 +443,7 @@ class Controller:
         teardown_s = time.monotonic() - t0
         incident_id = self.store.record_incident(
             self.job_id, attempt, incident.kind, incident.detector, incident.evidence,
-            rank=incident.rank, node=incident.node,
+            rank=incident.rank, node=incident.node, detected_at=t_detect,
         )
         self._maybe_quarantine(incident.node, attempt)
         self._pool.release(group.survivors())
@@ -449,6 +452,8 @@ class Controller:
         failed_at = span[2] / 1e9 if span else t_detect
         self.store.set_attempt_final_step(self.job_id, attempt, last_step)
         self.store.set_attempt_state(self.job_id, attempt, AttemptState.FAILED, incident.evidence)
+        # failures in a row without a single step back off; one after progress does not
+        self._fruitless = 0 if span is not None else self._fruitless + 1
         decision = decide_restart(self._restarts, self.config.job.max_restarts, incident)
         recovery = _Recovery(incident_id, attempt, failed_at, last_step,
                              detect_s=max(0.0, t_detect - failed_at), teardown_s=teardown_s)

@@ -228,7 +228,8 @@ class WorkerPool:
 
     A process that survived a failed attempt (its ``run`` raised; the process lives) keeps
     torch loaded and its in-memory snapshots (workers/snapshot.py); the next attempt
-    reuses it for the same rank when that rank stays on the same node. Every node of the
+    reuses it for the same rank when that rank stays on the same node and the world size
+    stays. Every node of the
     job also keeps ``spares_per_node`` warm processes (torch imported) that replace dead
     ranks without a process start; a used spare is replaced in the background.
     """
@@ -239,6 +240,7 @@ class WorkerPool:
         self._spares: dict[str, list[Any]] = {}
         self._survivors: dict[int, tuple[str, Any]] = {}  # rank -> (node name, actor)
         self._in_use: list[Any] = []
+        self._world = 0  # world size of the last attempt
 
     def _new(self, node: NodeInfo) -> Any:
         actor = self._cls.options(scheduling_strategy=_pinned(node)).remote()
@@ -254,30 +256,30 @@ class WorkerPool:
 
     def acquire(self, placement: list[NodeInfo]) -> tuple[list[Any], int]:
         """One process per rank of ``placement``; returns them and how many were reused
-        from the previous attempt (same rank, same node)."""
-        actors, reused = [], 0
+        from the previous attempt.
+
+        A survivor is reused only for its own rank, on its own node, in a world of the
+        same size: torch keeps per-process state of the rank it ran (device meshes,
+        sharding), and a process that ran rank 2 misbehaves as rank 0. Other survivors
+        end; spares (processes that never ran a rank) fill the gaps."""
+        actors: list[Any] = []
+        reused = 0
         survivors, self._survivors = self._survivors, {}
+        same_world = len(placement) == self._world
         for rank, node in enumerate(placement):
             prev = survivors.pop(rank, None)
-            if prev is not None and prev[0] == node.name:
+            if prev is not None and prev[0] == node.name and same_world:
                 actors.append(prev[1])
                 reused += 1
                 continue
             if prev is not None:
-                survivors[rank] = prev  # moved rank: its process may serve another rank below
-            actors.append(None)
-        # survivors whose rank moved become spares of their node (if the node is still used)
-        used_nodes = {n.name for n in placement}
-        for node_name, actor in survivors.values():
-            if node_name in used_nodes:
-                self._spares.setdefault(node_name, []).insert(0, actor)
-            else:
-                ray.kill(actor, no_restart=True)
-        for rank, node in enumerate(placement):
-            if actors[rank] is None:
-                spares = self._spares.get(node.name)
-                actors[rank] = spares.pop(0) if spares else self._new(node)
+                ray.kill(prev[1], no_restart=True)
+            spares = self._spares.get(node.name)
+            actors.append(spares.pop(0) if spares else self._new(node))
+        for _, actor in survivors.values():
+            ray.kill(actor, no_restart=True)
         self._in_use = actors
+        self._world = len(placement)
         return actors, reused
 
     def release(self, survivors: dict[int, tuple[str, Any]]) -> None:

@@ -9,20 +9,23 @@ print them as tables or JSON. The verdict itself is the diagnosis engine's
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
 from controlplane.diagnosis import Diagnosis, SignatureTable, TraceBuilder, TraceSet, diagnose
 from controlplane.diagnosis.traces import normalize_op
 from controlplane.lifecycle import AttemptState
-from controlplane.store import Store
+from controlplane.store import CollectiveRecord, Store
 
 #: Attempt states whose traces may still grow (their waits can be in flight).
 _LIVE = {AttemptState.PLACING, AttemptState.RUNNING}
 
 
-def attempt_traces(store: Store, job_id: str, attempt: int) -> TraceSet:
-    """Every rank's stored collectives of one attempt, as diagnosis traces."""
+def attempt_traces(store: Store, job_id: str, attempt: int,
+                   rows: Iterable[CollectiveRecord] | None = None) -> TraceSet:
+    """Every rank's stored collectives of one attempt (or just ``rows`` of them), as
+    diagnosis traces."""
     table = SignatureTable()
     builders: dict[int, TraceBuilder] = {}
 
@@ -35,7 +38,7 @@ def attempt_traces(store: Store, job_id: str, attempt: int) -> TraceSet:
     for g in store.process_groups(job_id, attempt):
         for name in (g.group, f"{g.group}:p2p"):
             builder(g.rank).declare_group(name, g.desc, g.ranks)
-    for c in store.collectives(job_id, attempt):
+    for c in store.collectives(job_id, attempt) if rows is None else rows:
         b = builder(c.rank)
         op, meta = normalize_op(c.op)
         sig = table.intern(op, c.input_sizes, c.output_sizes, c.input_dtypes, c.output_dtypes)

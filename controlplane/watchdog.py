@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from controlplane import detectors
 from controlplane.config import ControllerConfig, DetectConfig
 from controlplane.detectors import Incident
-from controlplane.diagnosis import Diagnosis, DiagnosisConfig, SignatureTable, TraceBuilder, TraceSet, diagnose
-from controlplane.diagnosis.traces import normalize_op
+from controlplane.diagnosis import Diagnosis, DiagnosisConfig, TraceSet, diagnose
+from controlplane.replay import attempt_traces
 from controlplane.store import Store
 from controlplane.store.ingest import COLLECTIVE_COLUMNS, PreparedBatch
 
@@ -74,31 +74,7 @@ def recent_traces(store: Store, job_id: str, attempt: int, per_group: int = DIAG
     """The attempt's newest collectives (``Store.recent_collectives``) as diagnosis traces:
     what ``replay.attempt_traces`` builds, bounded to a window, so that a live diagnosis
     costs the same at step 10 and at step 100,000."""
-    table = SignatureTable()
-    builders: dict[int, TraceBuilder] = {}
-
-    def builder(rank: int) -> TraceBuilder:
-        b = builders.get(rank)
-        if b is None:
-            b = builders[rank] = TraceBuilder(rank, table, source="store")
-        return b
-
-    for g in store.process_groups(job_id, attempt):
-        for name in (g.group, f"{g.group}:p2p"):
-            builder(g.rank).declare_group(name, g.desc, g.ranks)
-    for c in store.recent_collectives(job_id, attempt, per_group):
-        b = builder(c.rank)
-        op, meta = normalize_op(c.op)
-        sig = table.intern(op, c.input_sizes, c.output_sizes, c.input_dtypes, c.output_dtypes)
-        done = c.state != "started"
-        if op in ("send", "recv"):
-            b.add_p2p(c.group, op, meta, c.seq, sig, c.enter_ns, done)
-        else:
-            b.add_collective(c.group, c.seq, sig, c.enter_ns, 0 if c.exit_estimated else (c.exit_ns or 0), done)
-    ranks = {r: b.finish() for r, b in builders.items()}
-    for r in store.ranks(job_id, attempt):
-        ranks.setdefault(r.rank, builder(r.rank).finish())
-    return TraceSet(source=f"store:{job_id}", ranks=ranks, table=table, attempt=attempt)
+    return attempt_traces(store, job_id, attempt, store.recent_collectives(job_id, attempt, per_group))
 
 
 @dataclass

@@ -204,6 +204,12 @@ def _train(
         if final is not None and spec.rank == 0:
             emit.checkpoint(*final)
         train_s = time.perf_counter() - t_train
+    except BaseException:
+        # first cut this rank's connections: peers (and the checkpoint writer's own group,
+        # which close() below waits for) fail at once instead of at the group's timeout
+        if links[0] is not None:
+            links[0].sever()
+        raise
     finally:
         trainer.close()
     return {

@@ -422,12 +422,14 @@ class Store:
     # -- incidents, actions, checkpoints --------------------------------------------------
 
     def record_incident(self, job_id: str, attempt: int, kind: str, detector: str,
-                        evidence: str, rank: int | None = None, node: str | None = None) -> int:
-        """Store a detected incident; return its id."""
+                        evidence: str, rank: int | None = None, node: str | None = None,
+                        detected_at: float | None = None) -> int:
+        """Store a detected incident (``detected_at``: Unix time, default now); return its id."""
         try:
             with self._tx(write=True) as s:
                 row = Incident(job_id=job_id, attempt=attempt, kind=kind, rank=rank, node=node,
-                               detector=detector, evidence=evidence, detected_at=time.time())
+                               detector=detector, evidence=evidence,
+                               detected_at=time.time() if detected_at is None else detected_at)
                 s.add(row)
                 s.flush()
                 return row.id

@@ -25,9 +25,9 @@ import pytest
 
 from agent.node_agent import NodeAgent
 from controlplane.agent_server import AgentRegistry
-from controlplane.lifecycle import JobState
 from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests.component.conftest import TOKEN, start_server
+from tests.component.test_uplink_delivery import _job, _steps
 from workers.reporter import Reporter
 from workers.spec import WorkerSpec
 
@@ -37,22 +37,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-def _job(store) -> tuple[str, int]:  # noqa: ANN001
-    job_id = store.create_job("agent-faults", total_steps=100_000, config_json="{}")
-    store.set_job_state(job_id, JobState.PLACING)
-    return job_id, store.create_attempt(job_id)
-
-
-def _steps(job_id: str, attempt: int, first: int, n: int, rank: int = 0) -> list[events_pb2.Event]:
-    return [
-        events_pb2.Event(step=events_pb2.StepEvent(
-            job_id=job_id, attempt=attempt, rank=rank, step=s, loss=1.0 / s, step_time_s=0.01,
-            tokens_per_s=100.0, end_ns=1_700_000_000_000_000_000 + s,
-        ))
-        for s in range(first, first + n)
-    ]
 
 
 def _wait(cond: Callable[[], object], timeout_s: float = 10.0, what: str = "condition") -> None:

@@ -71,3 +71,25 @@ def test_an_attempt_that_fails_before_its_first_step() -> None:
     assert (second["detected_after_s"], second["recovery_s"]) == (3.0, 5.0)  # attempt 2 started at 12
     # restart: 10 -> 15 (the next incident takes over), then 15 -> 19; never counted twice
     assert out["lost_s"]["restart_s"] == 9.0 and out["lost_s"]["recomputed_s"] == 3.0
+
+
+def test_recovery_phases_attach_to_the_incident_that_ended_the_attempt() -> None:
+    from controlplane.store import RecoveryRecord
+
+    job = JobRecord(id="j", name="demo", state=JobState.SUCCEEDED, total_steps=20, steps_completed=20,
+                    attempts=2, created_at=1000.0, ended_at=1030.0, reason="", config_json="{}")
+    attempts = [AttemptRecord("j", 1, AttemptState.FAILED, 1000.0, 1011.0, 0, 10, "crash"),
+                AttemptRecord("j", 2, AttemptState.SUCCEEDED, 1011.0, 1030.0, 9, 20, "")]
+    steps = [_step(1, k, 1000 + k) for k in range(1, 11)] + [_step(2, k, 1003 + k) for k in range(10, 21)]
+    incidents = [IncidentRecord(1, "j", 1, "agent_loss", -1, "node-1", "heartbeat", "agent gone", 1005.0),
+                 IncidentRecord(2, "j", 1, "crash", 1, "node-0", "crash", "rank 1 died", 1010.5)]
+    rec = RecoveryRecord("j", 2, 1, 2, 1010.0, 0.5, 0.1, 0.05, 0.2, 0.3, 0.35, 1.5, 9, 1, "memory", 3)
+    out = job_report(job, attempts, steps, incidents, [], [], [], now=1030.0, recoveries=[rec])
+    side, ended = out["incidents"]
+    assert (side["kind"], side["ended_attempt"], side["recovery_s"]) == ("agent_loss", False, None)
+    assert ended["ended_attempt"] and ended["detected_after_s"] == 0.5
+    assert ended["phases"] == {"detect": 0.5, "teardown": 0.1, "place": 0.05, "pg_init": 0.2,
+                               "restore": 0.3, "first_step": 0.35}
+    assert (ended["restored_step"], ended["restored_from"], ended["steps_lost"], ended["reused_workers"]) == \
+        (9, "memory", 1, 3)
+    assert out["steps_lost"] == 1 and out["lost_s"]["detection_s"] == 0.5
