@@ -30,8 +30,8 @@ Figures, from one step log per run (``metrics``, the same code for every runner)
 * **steps_lost**: steps completed before the kill that were computed again
   (last step completed before the kill - the step the restart restored).
 * **ettr**: productive step time / wall, wall = first step start to last step end;
-  productive = per step number, the span (first rank's start to last rank's end) of
-  the execution that counted (the last one).
+  productive = per step number, the ranks' mean step time in the execution that counted
+  (the last one).
 * **median_step_s**: median span of the steps before the kill.
 * **hang_detect_s**: fleet's is measured (a hung rank to the controller's incident); the
   peers have no detector of their own: a hung collective surfaces when the process-group
@@ -117,7 +117,12 @@ def metrics(step_rows: Sequence[dict], kill_time: float | None, kill_step: int) 
     for attempt, step in spans:
         if step not in last_run or attempt > last_run[step]:
             last_run[step] = attempt
-    productive = sum(spans[(a, s)][1] - spans[(a, s)][0] for s, a in last_run.items())
+    # a step's productive time: its ranks' mean step time (the spans above overlap the
+    # neighbouring steps by the ranks' skew, so their sum can exceed the wall time)
+    durations: dict[tuple, list[float]] = defaultdict(list)
+    for r in step_rows:
+        durations[(r["attempt"], r["step"])].append(r["step_time_s"])
+    productive = sum(statistics.fmean(durations[(a, s)]) for s, a in last_run.items())
     wall = max(e for _, e in spans.values()) - min(s for s, _ in spans.values())
 
     recovery_s = steps_lost = restored = None
@@ -266,7 +271,7 @@ def run_fleet(job: RecoveryJob, workdir: Path, timeout_s: float) -> Outcome:
     (scheduled in the cluster.yaml's `chaos:` section: `fleet inject-fault` would do the
     same). Then a second run where that rank hangs at that step instead, for the hang
     detection time. Step rows come from fleet's store; the kill time is the end of the
-    killed rank's last step (the fault fires at the top of the next one, ~1 ms later)."""
+    step before the kill step (the fault fires at the top of the next one, ~1 ms later)."""
     from controlplane.store import Store
 
     crash_dir = workdir / "crash"
@@ -279,9 +284,10 @@ def run_fleet(job: RecoveryJob, workdir: Path, timeout_s: float) -> Outcome:
             for s in st.steps(report["job_id"]):
                 rows.append({"rank": s.rank, "attempt": s.attempt, "step": s.step, "end": s.end_ns / 1e9,
                              "step_time_s": s.step_time_s})
-        before = [r["end"] for r in rows if r["rank"] == job.kill_rank and r["attempt"] == 1
-                  and r["step"] == job.kill_step - 1]
-        kill_time = before[0] if before else None
+        # the killed rank's own last reports die with it: any rank's end of the step
+        # before the kill (the fault fires at the top of the next step, ~1 ms later)
+        before = [r["end"] for r in rows if r["attempt"] == 1 and r["step"] == job.kill_step - 1]
+        kill_time = max(before) if before else None
     extra = {"incidents": report.get("incidents", []), "report_ettr": report.get("ettr")}
     hang_job = dataclasses.replace(job, steps=min(job.steps, job.kill_step + 20))
     hang_report, _, hang_note = _fleet_up(hang_job, workdir / "hang", {

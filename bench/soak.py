@@ -11,8 +11,8 @@ at random, not from bad hardware, and with two nodes and a job that needs both, 
 quarantined node would leave the job waiting ``capacity_wait_s`` (300 s) and then fail.
 
 The soak clock starts at the first completed step. Every ``--fault-every`` seconds after
-that (the last one before ``--minutes`` are up) one fault, drawn uniformly from
-``FAULT_KINDS`` with a random target (seeded: ``--seed``), goes to the controller as
+that (the last one before ``--minutes`` are up) one fault, drawn from
+``FAULT_KINDS`` in shuffled rounds (each kind once per five faults) with a random target (seeded: ``--seed``), goes to the controller as
 `fleet inject-fault` would send it (``ControlClient.inject_fault``); while the
 controller is between attempts it refuses, and the order is retried for up to
 ``--inject-retry-s`` seconds: a fault counts only once accepted. At the end the job is
@@ -94,11 +94,16 @@ class Fault:
 
 def plan_faults(rng: random.Random, count: int, world_size: int, nodes: int,
                 slow_s: float, slow_delay_s: float, node_down_s: float) -> list[Fault]:
-    """``count`` faults, kinds and targets uniform. A hang lasts until the controller
-    kills the rank; an agent-down until the controller restarts the agent."""
-    out = []
+    """``count`` faults: the kinds drawn in shuffled rounds of all of ``FAULT_KINDS`` (so
+    every kind comes up once in each run of five), targets uniform. A hang lasts until
+    the controller kills the rank; an agent-down until the controller restarts the agent."""
+    out: list[Fault] = []
+    kinds: list[str] = []
     for _ in range(count):
-        kind = rng.choice(FAULT_KINDS)
+        if not kinds:
+            kinds = list(FAULT_KINDS)
+            rng.shuffle(kinds)
+        kind = kinds.pop()
         if kind in RANK_FAULTS:
             rank = rng.randrange(world_size)
             if kind == "slow":

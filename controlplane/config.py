@@ -367,6 +367,14 @@ class JobConfig(_Section):
             raise ValueError(
                 f"ep_size ({self.ep_size}) must divide model n_experts ({model.n_experts})"
             )
+        if self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) must be <= nodes ({self.nodes})")
+        for n in range(max(self.min_nodes, 1), self.nodes):
+            if self.min_nodes and (n * self.ranks_per_node) % self.ep_size:
+                raise ValueError(
+                    f"ep_size ({self.ep_size}) must divide every world size the job may shrink to "
+                    f"(min_nodes {self.min_nodes}: {n} x {self.ranks_per_node} ranks)"
+                )
         return self
 
 

@@ -431,7 +431,7 @@ class Controller:
         self._watchdog.pause()
         while not self._incidents.empty():  # fired before the pause: about this attempt, now moot
             self._incidents.get_nowait()
-        if incident.rank >= 0 and incident.rank in group.running() and incident.kind in ("hang", "straggler"):
+        if incident.rank >= 0 and incident.rank in group.running() and incident.kind in ("hang", "desync", "straggler"):
             group.kill_ranks([incident.rank])
         if incident.kind == "node_loss" and incident.node:
             group.kill_ranks([r for r in group.running() if group.placement[r].name == incident.node])
@@ -607,7 +607,7 @@ class Controller:
         """Block until the attempt ends: None = success, "stop", or the Incident that
         ends it. Meanwhile: act on incidents that do not end it (agent loss, straggler,
         loss spike), finish timing a recovery once its first step lands, show progress."""
-        next_tick = 0.0
+        next_tick = next_note = 0.0
         while True:
             failures = group.poll(POLL_INTERVAL_S)
             if failures:
@@ -636,7 +636,9 @@ class Controller:
             if now >= next_tick:
                 next_tick = now + 0.5
                 self._check_agents(attempt)
-                self._note_processes()
+                if now >= next_note:  # the process tree changes only when processes start
+                    next_note = now + 5.0
+                    self._note_processes()
                 span = self.store.step_span(self.job_id, attempt)
                 self._current_step = span[1] if span else self._current_step
                 if recovery is not None and span is not None:

@@ -43,13 +43,18 @@ from controlplane.store import (
 
 
 def _timeline(steps: Sequence[StepRecord]) -> dict[int, dict[int, tuple[float, float]]]:
-    """attempt -> step -> (start, end) in Unix seconds, over the slowest rank."""
-    out: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
+    """attempt -> step -> (start, end) in Unix seconds: the step ends when its last rank
+    ends it and lasts as long as its slowest rank's own step time (not the span from the
+    first rank's start, which overlaps the previous step on the other ranks)."""
+    ends: dict[tuple[int, int], float] = {}
+    durs: dict[tuple[int, int], float] = {}
     for s in steps:
-        end = s.end_ns / 1e9
-        start = end - s.step_time_s
-        have = out[s.attempt].get(s.step)
-        out[s.attempt][s.step] = (min(have[0], start), max(have[1], end)) if have else (start, end)
+        key = (s.attempt, s.step)
+        ends[key] = max(ends.get(key, 0.0), s.end_ns / 1e9)
+        durs[key] = max(durs.get(key, 0.0), s.step_time_s)
+    out: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
+    for (attempt, step), end in ends.items():
+        out[attempt][step] = (end - durs[(attempt, step)], end)
     return out
 
 

@@ -77,6 +77,10 @@ def recent_traces(store: Store, job_id: str, attempt: int, per_group: int = DIAG
     return attempt_traces(store, job_id, attempt, store.recent_collectives(job_id, attempt, per_group))
 
 
+#: How long a flight-recorder verdict must hold, unchanged, before a hang is declared on it.
+VERDICT_STABLE_S = 0.5
+
+
 @dataclass
 class _Watched:
     """What the watchdog knows of the attempt it watches."""
@@ -100,6 +104,8 @@ class _Watched:
     fired: set[tuple] = field(default_factory=set)
     last_diagnosis: Diagnosis | None = None
     next_diagnosis: float = 0.0               # monotonic
+    verdict_key: tuple = ()                   # (verdict, culprits) of the newest diagnosis
+    verdict_since: float = 0.0                # monotonic: since when it has stayed the same
 
 
 class Watchdog:
@@ -388,6 +394,14 @@ class Watchdog:
             w.next_diagnosis = time.monotonic() + max(cfg.interval_s, took)
         d = w.last_diagnosis
         verdict, culprits, summary = (d.verdict, d.culprit_ranks, d.summary) if d else (None, [], "")
+        # A verdict counts once it has held for VERDICT_STABLE_S: rows reach the store a
+        # little apart per rank, and a rank whose entry is not stored yet looks like the
+        # odd one out for a moment (a "mismatch" naming the wrong rank).
+        key = (verdict, tuple(culprits))
+        if key != w.verdict_key:
+            w.verdict_key, w.verdict_since = key, now
+        if verdict in ("hang", "mismatch") and now - w.verdict_since < VERDICT_STABLE_S:
+            return []  # judge again next interval
         with self._lock:
             if kind == "startup":
                 incident = detectors.startup_hang(seconds, cfg.startup_timeout_s, verdict, culprits, summary,

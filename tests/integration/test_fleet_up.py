@@ -397,6 +397,21 @@ def test_too_few_healthy_nodes_waits_then_fails_naming_the_quarantined_ones(tmp_
         assert "node-1 (crashed twice)" in job.reason
 
 
+def test_too_few_healthy_nodes_with_min_nodes_shrinks_data_parallelism(tmp_path: Path) -> None:
+    _quarantine_ahead(tmp_path, "node-1", "crashed twice")
+    cluster = _cluster_with(tmp_path, 2, steps=20, checkpoint_interval=10, min_nodes=1)
+    run = FleetUp(tmp_path, cluster)
+    summary = run.finish()
+    run.assert_tree_gone()
+    assert summary["state"] == "SUCCEEDED" and summary["final_step"] == 20
+    with store_of(tmp_path) as st:
+        ranks = st.ranks(summary["job_id"], 1)
+        actions = [(a.kind, a.cause) for a in st.actions(summary["job_id"])]
+    # two ranks on node-0 instead of four on two nodes (expert parallelism over 2 still fits)
+    assert sorted((r.rank, r.node) for r in ranks) == [(0, "node-0"), (1, "node-0")]
+    assert ("shrink", "shrunk to 1 of 2 node(s)") in actions
+
+
 def test_repeated_crashes_on_a_node_quarantine_it_and_a_spare_takes_over(tmp_path: Path) -> None:
     cluster = _cluster_with(tmp_path, 3, steps=40, checkpoint_interval=10)
     run = FleetUp(tmp_path, cluster)

@@ -490,3 +490,14 @@ def test_tls_file_that_is_a_folder_is_rejected(tmp_path: Path) -> None:
         Path(paths[k]).write_text("x")
     paths["client_key"] = str(tmp_path)
     assert f"{SRC}:7: controller.tls.client_key: cannot read" in _error(_tls_yaml(paths))
+
+
+def test_min_nodes_must_fit_the_job_and_its_expert_parallelism() -> None:
+    from controlplane.config import parse_cluster_yaml
+    from controlplane.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"min_nodes \(3\) must be <= nodes \(2\)"):
+        parse_cluster_yaml("job: {nodes: 2, min_nodes: 3}")
+    with pytest.raises(ConfigError, match="every world size the job may shrink to"):
+        parse_cluster_yaml("job: {nodes: 2, ranks_per_node: 1, ep_size: 2, min_nodes: 1}")
+    assert parse_cluster_yaml("job: {nodes: 2, ranks_per_node: 2, ep_size: 2, min_nodes: 1}").job.min_nodes == 1

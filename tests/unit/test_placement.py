@@ -23,3 +23,17 @@ def test_not_enough_healthy_nodes_says_which_are_quarantined_and_why() -> None:
 def test_quarantine_of_a_node_that_is_not_alive_changes_nothing() -> None:
     assert choose_nodes(ALIVE, {"node-9": "gone"}, 3).nodes == tuple(ALIVE)
     assert "quarantined: none" in choose_nodes(["node-0"], {}, 2).reason
+
+
+def test_a_down_node_is_not_used_and_the_wait_says_so() -> None:
+    d = choose_nodes(ALIVE, {}, 3, down={"node-1": "node-down fault, back in 4 s"})
+    assert d.nodes == () and d.reason.endswith("down: node-1 (node-down fault, back in 4 s)")
+    assert choose_nodes(ALIVE, {}, 2, down={"node-1": "x"}).nodes == ("node-0", "node-2")
+
+
+def test_shrinking_takes_what_is_healthy_once_the_minimum_is_met() -> None:
+    d = choose_nodes(ALIVE, {"node-0": "bad", "node-2": "bad"}, 3, minimum=1)
+    assert d.nodes == ("node-1",) and d.reason == "shrunk to 1 of 3 node(s)"
+    assert choose_nodes(ALIVE, {"node-0": "bad"}, 3, minimum=2).nodes == ("node-1", "node-2")
+    assert choose_nodes(ALIVE, {"node-0": "bad", "node-2": "bad"}, 3, minimum=2).nodes == ()
+    assert choose_nodes(ALIVE, {}, 2, minimum=1) == choose_nodes(ALIVE, {}, 2)  # enough: no shrink
