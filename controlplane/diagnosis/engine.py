@@ -271,7 +271,10 @@ class _Analysis:
         if not behind:
             self._check_absent(g, ops_by_rank, front_seq, front, absent)
             return
-        if len(behind) > len(front):
+        # a minority ahead of a majority that stands together issued something extra; with
+        # the others spread over several collectives (a rooted op such as broadcast lets
+        # some ranks through while one never came), the ranks behind are judged instead
+        if len(behind) > len(front) and len({last[r] for r in behind}) == 1:
             seq = max(last[r] for r in behind) + 1
             op = self._describe_at(ops_by_rank, front[0], seq)
             self._add(Finding(

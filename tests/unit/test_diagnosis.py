@@ -144,6 +144,19 @@ def test_extra_collective_of_a_minority_is_a_mismatch():
     assert (d.verdict, d.culprit_ranks, d.findings[0].kind) == ("mismatch", [0], "extra")
 
 
+def test_a_rank_through_a_rooted_op_does_not_hide_the_rank_that_never_came():
+    # DDP under a hung rank 1: the step's buffer broadcast (seq 10) let rank 2 through (it
+    # got its data from the root) into the first gradient all-reduce (seq 11), while 0 and
+    # 3 still wait in the broadcast; rank 1 never entered it
+    def ops(r):
+        if r == 1:
+            return steady(9)
+        out = [*steady(9), op("0", 10, "broadcast", done=r == 2)]
+        return out + [op("0", 11, "all_reduce", done=False)] if r == 2 else out
+    d = diagnose(traces(world(4, ops), WORLD4))
+    assert (d.verdict, d.culprit_ranks) == ("hang", [1]), d.findings
+
+
 def test_deadlock_across_groups_is_a_cycle():
     # rank 0 waits for rank 1 in group A, rank 1 waits for rank 0 in group B
     spec = {0: [op("A", 1, "all_reduce", t=1), op("A", 2, "all_reduce", t=5, done=False), op("B", 1, "all_reduce", t=2)],
