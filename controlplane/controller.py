@@ -147,6 +147,7 @@ class Controller:
         self._restart_due: dict[str, float] = {}  # lost agents to start again at (monotonic)
         self._node_back_at: dict[str, float] = {}  # node-down: node unusable until (monotonic)
         self._agent_back_at: dict[str, float] = {}  # agent-down with a duration: down until
+        self._armed: list[chaos.FaultOrder] = []  # step-timed orders handed to workers
         self.job_id = ""
         self.address = ""
         self.timings_s: dict[str, float] = {}
@@ -218,6 +219,9 @@ class Controller:
         spec = events_pb2.FaultSpec(kind=order.kind, at_step=order.at_step, duration_s=order.duration_s,
                                     delay_s=order.delay_s)
         log.warning("chaos: firing %s", order.describe())
+        if order.kind in chaos.WORKER_TIMED and order.at_step > 0:
+            with self._lock:  # armed in the workers: a restart before the step must re-arm it
+                self._armed.append(order)
         if order.kind in chaos.RANK_KINDS:
             rank = order.rank if order.rank >= 0 else -1
             self._registry.send(node, events_pb2.Command(
@@ -389,6 +393,7 @@ class Controller:
             if recovery is not None:
                 recovery.attempt, recovery.t_run, recovery.reused = attempt, t_run, reused
                 recovery.place_s += time.monotonic() - t_place
+                self._rearm(recovery.last_step)
 
             outcome = self._watch(group, attempt, recovery)
             recovery = None
@@ -419,6 +424,19 @@ class Controller:
             if backoff and self._stop.wait(backoff):
                 return self._finish(JobState.STOPPED, self._stop_reason)
             recovery.place_s = time.monotonic() - t
+
+    def _rearm(self, completed: int) -> None:
+        """Hand the new attempt's workers the step-timed faults the failed attempt armed
+        but never reached (its workers took them along); drop the ones it fired: a fault
+        fires at the top of its step, so the failed attempt, which completed step
+        ``completed``, fired everything up to ``completed + 1``."""
+        with self._lock:
+            due, self._armed = [o for o in self._armed if o.at_step > completed + 1], []
+        for order in due:
+            try:
+                self._fire(order)
+            except FleetError as exc:
+                log.warning("chaos: could not re-arm %s: %s", order.describe(), exc)
 
     def _end_attempt(self, group, attempt: int, incident: Incident, agents):  # noqa: ANN001
         """Tear down a failed attempt and record why; returns (recovery so far, decision).
@@ -477,6 +495,10 @@ class Controller:
         for node in chosen:
             if node.name in connected:
                 continue
+            if node.name not in self._lost_agents and self._attempt:  # lost between attempts
+                self.store.record_incident(self.job_id, self._attempt, "agent_loss", "heartbeat",
+                                           f"agent on {node.name} is gone (found before placing the next "
+                                           "attempt)", rank=-1, node=node.name)
             self._progress(f"restarting the agent on {node.name}")
             agents.restart(node.name)
             missing = self._registry.wait_for({node.name}, self.config.controller.agent_start_timeout_s)

@@ -42,6 +42,10 @@ from controlplane.store import (
 )
 
 
+#: Incidents an attempt normally runs through (recorded, acted on, not ending it).
+_SIDE_KINDS = frozenset({"agent_loss", "straggler", "loss_spike"})
+
+
 def _timeline(steps: Sequence[StepRecord]) -> dict[int, dict[int, tuple[float, float]]]:
     """attempt -> step -> (start, end) in Unix seconds: the step ends when its last rank
     ends it and lasts as long as its slowest rank's own step time (not the span from the
@@ -91,13 +95,17 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         return max(v[1] for v in t.values()) if t else None
 
     startup = (first_start(numbers[0]) - job.created_at) if numbers and first_start(numbers[0]) else 0.0
-    # the incident that ended a failed attempt is the last one recorded for it
+    # the incident that ended a failed attempt: the one its restart was timed for, else the
+    # last one recorded for it that is not of a kind the attempt runs through
     failed = {a.number for a in attempts if a.state.value == "FAILED"}
+    recovery_of = {r.incident_id: r for r in recoveries if r.incident_id is not None}
     by_attempt: dict[int, IncidentRecord] = {}
     for i in incidents:
-        if i.attempt in failed:
+        if i.attempt not in failed:
+            continue
+        have = by_attempt.get(i.attempt)
+        if have is None or have.id not in recovery_of and (i.id in recovery_of or i.kind not in _SIDE_KINDS):
             by_attempt[i.attempt] = i
-    recovery_of = {r.incident_id: r for r in recoveries if r.incident_id is not None}
     detection = restart = 0.0
     out_incidents = []
     for i in incidents:

@@ -119,12 +119,14 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None, *,
                                 ring_entries=spec.fr_buffer_entries, poll_interval_s=spec.fr_poll_interval_s)
         reporter.add_source(tail.poll, tail.probe_interval_s)
     result: dict = {}
+    failed = False
     try:
         emit.status(Status.STARTING)
         result.update(_train(spec, hooks, reporter, emit, listen_socket, tail, before_step, on_step, links))
         emit.status(Status.FINISHED, detail="stopped by command" if result["stopped"] else "")
         return result
     except BaseException as exc:
+        failed = True
         if links[0] is not None:  # no peer may stay blocked on this process (peer_links.py)
             links[0].sever()
         emit.status(Status.FAILED, detail=f"{type(exc).__name__}: {exc}"[:4000])
@@ -140,7 +142,9 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None, *,
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - already failing or finished; report and move on
                 log.exception("rank %d: destroy_process_group failed", spec.rank)
-        reporter.close()
+        # a failed rank's return is how the controller learns of it: do not wait long
+        # on an agent that may be gone too
+        reporter.close(timeout_s=1.0 if failed else 5.0)
         # telemetry counters for the benchmarks (bench/overhead.py)
         result.update(reporter_cpu_s=reporter.cpu_s, **(tail.counters() if tail is not None else {}))
 
