@@ -465,6 +465,13 @@ class Controller:
         )
         self._maybe_quarantine(incident.node, attempt)
         self._pool.release(group.survivors())
+        with self._lock:  # the fault that caused this incident fired: never re-arm it
+            self._armed = [o for o in self._armed if not _caused(o, incident)]
+            undecided = bool(self._armed)
+        if undecided and incident.kind != "error":
+            # which armed faults the attempt reached is read from its steps: let the
+            # survivors' last reports reach the store first
+            agents.flush(timeout_s=2)
         span = self.store.step_span(self.job_id, attempt)
         last_step = span[1] if span else 0
         failed_at = span[2] / 1e9 if span else t_detect
@@ -837,6 +844,13 @@ class Controller:
         self._on_progress(
             Progress(self.job_id, job.state.value, self._attempt, step, job.total_steps, self._restarts, message)
         )
+
+
+def _caused(order: chaos.FaultOrder, incident: Incident) -> bool:
+    """Whether ``incident`` is what the injected ``order`` did."""
+    kind = {"crash": ("crash", "node_loss"), "hang": ("hang", "desync"), "nan": ("nan",)}.get(order.kind, ())
+    hit = incident.rank == order.rank if order.rank >= 0 else incident.node == order.node
+    return incident.kind in kind and hit
 
 
 def _processes_file(state_dir: Path, pid: int) -> Path:
