@@ -12,7 +12,6 @@ The controller is also the ``JobControl`` behind ControlService (inject fault, s
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -36,8 +35,16 @@ from controlplane.grpc_server import ControllerServer
 from controlplane.lifecycle import AttemptState, JobState
 from controlplane.placement import choose_nodes
 from controlplane.policy import decide_quarantine
+from controlplane.recovery import (
+    PendingRecovery,
+    caused,
+    end_leftovers,
+    finish_recovery,
+    note_processes,
+    processes_file,
+)
 from controlplane.replay import diagnose_attempt
-from controlplane.store import NODE_QUARANTINED, RecoveryRecord, Store
+from controlplane.store import NODE_QUARANTINED, Store
 from controlplane.watchdog import Watchdog
 from fleet_proto import control_pb2, events_pb2
 
@@ -55,22 +62,6 @@ TEARDOWN_GRACE_S = 3.0
 AGENT_RECONNECT_GRACE_S = 1.0
 #: Incidents that end the attempt (the rest are recorded and acted on while it runs).
 ATTEMPT_ENDING = frozenset({"crash", "error", "hang", "desync", "nan", "node_loss"})
-
-
-@dataclass
-class _Recovery:
-    """A restart in progress: phases measured so far (see RecoveryRecord)."""
-
-    incident_id: int | None
-    failed_attempt: int
-    failed_at: float          # wall time of the failed attempt's last step
-    last_step: int
-    detect_s: float
-    teardown_s: float
-    attempt: int = 0
-    place_s: float = 0.0
-    t_run: float = 0.0        # wall time the new attempt's ranks were started
-    reused: int = 0
 
 
 @dataclass
@@ -289,7 +280,7 @@ class Controller:
             t = time.monotonic()
             runtime.start()
             nodes = runtime.nodes()
-            self._note_processes()
+            note_processes(self._state_dir)
             self.timings_s["ray_start_s"] = time.monotonic() - t
 
             t = time.monotonic()
@@ -349,7 +340,7 @@ class Controller:
             self.timings_s["total_s"] = time.monotonic() - t_start
         return result
 
-    def _attempts(self, nodes: list, agents, recovery: _Recovery | None) -> RunResult:  # noqa: ANN001
+    def _attempts(self, nodes: list, agents, recovery: PendingRecovery | None) -> RunResult:  # noqa: ANN001
         from controlplane.orchestrator import WorkerGroup, WorkerPool
 
         cfg = self.config
@@ -466,7 +457,7 @@ class Controller:
         self._maybe_quarantine(incident.node, attempt)
         self._pool.release(group.survivors())
         with self._lock:  # the fault that caused this incident fired: never re-arm it
-            self._armed = [o for o in self._armed if not _caused(o, incident)]
+            self._armed = [o for o in self._armed if not caused(o, incident)]
             undecided = bool(self._armed)
         if undecided and incident.kind != "error":
             # which armed faults the attempt reached is read from its steps: let the
@@ -480,7 +471,7 @@ class Controller:
         # failures in a row without a single step back off; one after progress does not
         self._fruitless = 0 if span is not None else self._fruitless + 1
         decision = decide_restart(self._restarts, self.config.job.max_restarts, incident)
-        recovery = _Recovery(incident_id, attempt, failed_at, last_step,
+        recovery = PendingRecovery(incident_id, attempt, failed_at, last_step,
                              detect_s=max(0.0, t_detect - failed_at), teardown_s=teardown_s)
         return recovery, decision
 
@@ -517,22 +508,7 @@ class Controller:
 
     # -- controller crash: take over a job whose controller died ---------------------------
 
-    def _note_processes(self) -> None:
-        """Keep ``<state_dir>/processes-<pid>.json`` listing every process this controller
-        started (Ray daemons, agents, workers), so that a controller taking over after a
-        crash ends exactly those (by pid and start time) and nothing else."""
-        try:
-            me = psutil.Process()
-            procs = [[p.pid, p.create_time()] for p in me.children(recursive=True)]
-        except psutil.Error:
-            return
-        path = _processes_file(self._state_dir, os.getpid())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(procs))
-        os.replace(tmp, path)
-
-    def _take_over(self, job_id: str) -> _Recovery:
+    def _take_over(self, job_id: str) -> PendingRecovery:
         """Adopt ``job_id`` after its controller died: end what the dead controller left
         running, fail its attempt with a controller-crash incident and count a restart;
         the next attempt restores the newest valid checkpoint on disk."""
@@ -547,7 +523,7 @@ class Controller:
             raise StateError(f"job {job_id} is still run by controller pid {info.pid}; stop it first "
                              "(fleet stop) or let it finish")
         dead_pid = info.pid if info is not None and info.job_id == job_id else 0
-        ended = _end_leftovers(self._state_dir, dead_pid) if dead_pid else 0
+        ended = end_leftovers(self._state_dir, dead_pid) if dead_pid else 0
         self.job_id = job_id
         self._restarts = sum(1 for a in self.store.actions(job_id) if a.kind == "restart")
         attempts = self.store.get_attempts(job_id)
@@ -567,7 +543,7 @@ class Controller:
         self.store.record_action(job_id, last, "restart", f"resumed: {evidence}")
         log.warning("%s", evidence)
         failed_at = span[2] / 1e9 if span else now
-        return _Recovery(incident_id, last, failed_at, span[1] if span else 0,
+        return PendingRecovery(incident_id, last, failed_at, span[1] if span else 0,
                          detect_s=max(0.0, now - failed_at), teardown_s=0.0)
 
     def _maybe_quarantine(self, node: str | None, attempt: int) -> bool:
@@ -632,7 +608,7 @@ class Controller:
                         diagnosis.summary)
         return refined
 
-    def _watch(self, group, attempt: int, recovery: _Recovery | None) -> Incident | str | None:  # noqa: ANN001
+    def _watch(self, group, attempt: int, recovery: PendingRecovery | None) -> Incident | str | None:  # noqa: ANN001
         """Block until the attempt ends: None = success, "stop", or the Incident that
         ends it. Meanwhile: act on incidents that do not end it (agent loss, straggler,
         loss spike), finish timing a recovery once its first step lands, show progress."""
@@ -667,7 +643,7 @@ class Controller:
                 self._check_agents(attempt)
                 if now >= next_note:  # the process tree changes only when processes start
                     next_note = now + 5.0
-                    self._note_processes()
+                    note_processes(self._state_dir)
                 span = self.store.step_span(self.job_id, attempt)
                 self._current_step = span[1] if span else self._current_step
                 if recovery is not None and span is not None:
@@ -740,29 +716,14 @@ class Controller:
         self.store.record_action(self.job_id, attempt, "restart_agent", f"agent on {node} restarted")
         log.warning("agent on %s restarted", node)
 
-    def _record_recovery(self, r: _Recovery, span: tuple[int, int, int]) -> None:
+    def _record_recovery(self, r: PendingRecovery, span: tuple[int, int, int]) -> None:
         """The new attempt made its first step: store the recovery's phases."""
-        statuses = self.store.worker_status(self.job_id, r.attempt)
-        pg = [w.phase_s for w in statuses if w.state == "PG_READY"]
-        restored = [w for w in statuses if w.state == "RESTORED"]
-        pg_init_s = max(pg, default=0.0)
-        restore_s = max((w.phase_s for w in restored), default=0.0)
-        restored_step = min((w.restored_step for w in restored), default=0)
-        sources = sorted({w.detail.split(" from ")[0] or "fresh" for w in restored})
-        first_end = span[0] / 1e9
-        total = first_end - r.failed_at
-        first_step_s = max(0.0, first_end - r.t_run - pg_init_s - restore_s)
-        rec = RecoveryRecord(
-            job_id=self.job_id, incident_id=r.incident_id, failed_attempt=r.failed_attempt, attempt=r.attempt,
-            failed_at=r.failed_at, detect_s=r.detect_s, teardown_s=r.teardown_s, place_s=r.place_s,
-            pg_init_s=pg_init_s, restore_s=restore_s, first_step_s=first_step_s, total_s=total,
-            restored_step=restored_step, steps_lost=max(0, r.last_step - restored_step),
-            restored_from="+".join(sources), reused_workers=r.reused)
+        rec = finish_recovery(self.job_id, r, span, self.store.worker_status(self.job_id, r.attempt))
         self.store.record_recovery(rec)
         log.info("recovered in %.2f s (detect %.2f, teardown %.2f, place %.2f, pg %.2f, restore %.2f, "
                  "first step %.2f); restored step %d from %s, %d step(s) lost, %d process(es) reused",
-                 total, r.detect_s, r.teardown_s, r.place_s, pg_init_s, restore_s, first_step_s,
-                 restored_step, rec.restored_from, rec.steps_lost, r.reused)
+                 rec.total_s, rec.detect_s, rec.teardown_s, rec.place_s, rec.pg_init_s, rec.restore_s,
+                 rec.first_step_s, rec.restored_step, rec.restored_from, rec.steps_lost, rec.reused_workers)
 
     def _specs(self, attempt, placement, port, ckpt_dir, local_addresses):  # noqa: ANN001
         from workers.spec import WorkerSpec
@@ -825,7 +786,7 @@ class Controller:
             ("agents", agents.close),
             ("ray", runtime.shutdown),
             ("grpc server", server.close if server is not None else (lambda: None)),
-            ("process list", lambda: _processes_file(self._state_dir, os.getpid()).unlink(missing_ok=True)),
+            ("process list", lambda: processes_file(self._state_dir, os.getpid()).unlink(missing_ok=True)),
         ):
             try:
                 fn()
@@ -844,38 +805,6 @@ class Controller:
         self._on_progress(
             Progress(self.job_id, job.state.value, self._attempt, step, job.total_steps, self._restarts, message)
         )
-
-
-def _caused(order: chaos.FaultOrder, incident: Incident) -> bool:
-    """Whether ``incident`` is what the injected ``order`` did."""
-    kind = {"crash": ("crash", "node_loss"), "hang": ("hang", "desync"), "nan": ("nan",)}.get(order.kind, ())
-    hit = incident.rank == order.rank if order.rank >= 0 else incident.node == order.node
-    return incident.kind in kind and hit
-
-
-def _processes_file(state_dir: Path, pid: int) -> Path:
-    return state_dir / f"processes-{pid}.json"
-
-
-def _end_leftovers(state_dir: Path, dead_pid: int) -> int:
-    """SIGKILL the processes a dead controller listed as its own and that still run (same
-    pid and start time: never a stranger that reused a pid); returns how many."""
-    path = _processes_file(state_dir, dead_pid)
-    try:
-        listed = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return 0
-    ended = 0
-    for pid, created in listed:
-        try:
-            p = psutil.Process(pid)
-            if abs(p.create_time() - created) < 0.01:
-                p.kill()
-                ended += 1
-        except psutil.Error:
-            continue
-    path.unlink(missing_ok=True)
-    return ended
 
 
 def _summary(job) -> control_pb2.JobSummary:  # noqa: ANN001 (store JobRecord)

@@ -1,0 +1,102 @@
+"""Recovery bookkeeping: a restart's phases as they are measured, what an injected fault
+caused, and the processes a controller started (so a controller taking over after a
+crash ends exactly those). Pure functions and files; no Ray, no gRPC, no store."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from controlplane import chaos
+from controlplane.detectors import Incident
+from controlplane.store import RecoveryRecord, WorkerStatusRecord
+
+
+@dataclass
+class PendingRecovery:
+    """A restart in progress: phases measured so far (see RecoveryRecord)."""
+
+    incident_id: int | None
+    failed_attempt: int
+    failed_at: float          # wall time of the failed attempt's last step
+    last_step: int
+    detect_s: float
+    teardown_s: float
+    attempt: int = 0
+    place_s: float = 0.0
+    t_run: float = 0.0        # wall time the new attempt's ranks were started
+    reused: int = 0
+
+
+def finish_recovery(job_id: str, r: PendingRecovery, span: tuple[int, int, int],
+                    statuses: Sequence[WorkerStatusRecord]) -> RecoveryRecord:
+    """The record of a restart whose new attempt made its first step: ``span`` is that
+    attempt's ``Store.step_span``, ``statuses`` its workers' status events (process-group
+    and restore phases, restored step and source)."""
+    pg = [w.phase_s for w in statuses if w.state == "PG_READY"]
+    restored = [w for w in statuses if w.state == "RESTORED"]
+    pg_init_s = max(pg, default=0.0)
+    restore_s = max((w.phase_s for w in restored), default=0.0)
+    restored_step = min((w.restored_step for w in restored), default=0)
+    sources = sorted({w.detail.split(" from ")[0] or "fresh" for w in restored})
+    first_end = span[0] / 1e9
+    return RecoveryRecord(
+        job_id=job_id, incident_id=r.incident_id, failed_attempt=r.failed_attempt, attempt=r.attempt,
+        failed_at=r.failed_at, detect_s=r.detect_s, teardown_s=r.teardown_s, place_s=r.place_s,
+        pg_init_s=pg_init_s, restore_s=restore_s,
+        first_step_s=max(0.0, first_end - r.t_run - pg_init_s - restore_s), total_s=first_end - r.failed_at,
+        restored_step=restored_step, steps_lost=max(0, r.last_step - restored_step),
+        restored_from="+".join(sources), reused_workers=r.reused)
+
+
+def caused(order: chaos.FaultOrder, incident: Incident) -> bool:
+    """Whether ``incident`` is what the injected ``order`` did."""
+    kind = {"crash": ("crash", "node_loss"), "hang": ("hang", "desync"), "nan": ("nan",)}.get(order.kind, ())
+    hit = incident.rank == order.rank if order.rank >= 0 else incident.node == order.node
+    return incident.kind in kind and hit
+
+
+def processes_file(state_dir: Path, pid: int) -> Path:
+    return state_dir / f"processes-{pid}.json"
+
+
+def note_processes(state_dir: Path) -> None:
+    """Keep ``<state_dir>/processes-<pid>.json`` listing every process this controller
+    started (Ray daemons, agents, workers), so that a controller taking over after a
+    crash ends exactly those (by pid and start time) and nothing else."""
+    try:
+        me = psutil.Process()
+        procs = [[p.pid, p.create_time()] for p in me.children(recursive=True)]
+    except psutil.Error:
+        return
+    path = processes_file(state_dir, os.getpid())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(procs))
+    os.replace(tmp, path)
+
+
+def end_leftovers(state_dir: Path, dead_pid: int) -> int:
+    """SIGKILL the processes a dead controller listed as its own and that still run (same
+    pid and start time: never a stranger that reused a pid); returns how many."""
+    path = processes_file(state_dir, dead_pid)
+    try:
+        listed = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0
+    ended = 0
+    for pid, created in listed:
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - created) < 0.01:
+                p.kill()
+                ended += 1
+        except psutil.Error:
+            continue
+    path.unlink(missing_ok=True)
+    return ended
