@@ -6,7 +6,7 @@ import os
 
 import psutil
 
-from fleet_proto import agent_pb2
+from fleet.proto import agent_pb2
 
 
 def host_metrics(workers_alive: int) -> agent_pb2.HostMetrics:

@@ -40,10 +40,10 @@ from pathlib import Path
 
 import grpc
 
-from agent.host import host_metrics
-from agent.tls import TlsFiles
-from agent.uplink import Uplink
-from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.agent.host import host_metrics
+from fleet.agent.tls import TlsFiles
+from fleet.agent.uplink import Uplink
+from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
 

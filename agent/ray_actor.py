@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 
-from agent.node_agent import NodeAgent
+from fleet.agent.node_agent import NodeAgent
 
 
 class AgentActor:

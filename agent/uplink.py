@@ -51,9 +51,9 @@ from pathlib import Path
 
 import grpc
 
-from agent.spool import Spool
-from agent.tls import TlsFiles, channel_credentials
-from fleet_proto import agent_pb2, events_pb2
+from fleet.agent.spool import Spool
+from fleet.agent.tls import TlsFiles, channel_credentials
+from fleet.proto import agent_pb2, events_pb2
 
 log = logging.getLogger(__name__)
 

@@ -36,11 +36,11 @@ sys.path.insert(0, str(REPO))
 
 def _build(preset: str, meshes, seed: int):
     """``(model, kind)``: the preset's Llama-4-style model, experts split over the EP group."""
-    from workers.model import Transformer
-    from workers.spec import PRESETS
+    from fleet.workers.model import Transformer
+    from fleet.workers.spec import PRESETS
 
     ep_group = meshes.ep_group if meshes.ep_size > 1 else None
-    return Transformer(PRESETS[preset], seed=seed, ep_group=ep_group), "workers.model.Transformer"
+    return Transformer(PRESETS[preset], seed=seed, ep_group=ep_group), "fleet.workers.model.Transformer"
 
 
 def _worker(rank: int, world: int, port: int, preset: str, repeats: int, root: str, out: str) -> None:
@@ -48,10 +48,10 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, root: s
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from workers import checkpoint, data, parallel
-    from workers.rendezvous import loopback_store
-    from workers.recorder import FlightRecorder
-    from workers.spec import PRESETS, TrainArgs
+    from fleet.workers import checkpoint, data, parallel
+    from fleet.workers.rendezvous import loopback_store
+    from fleet.workers.recorder import FlightRecorder
+    from fleet.workers.spec import PRESETS, TrainArgs
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_smoke.sh            # from the repository root, with .venv installed
 #
-# Each run is the real worker (`python -m workers.train` under torchrun, one rank, NCCL),
+# Each run is the real worker (`python -m fleet.workers.train` under torchrun, one rank, NCCL),
 # 30 optimizer steps of 4 x 2048 tokens; the first 5 steps' share of the time is not
 # excluded, so figures are slightly pessimistic. The last line is one JSON object.
 set -euo pipefail
@@ -20,7 +20,7 @@ SEQ=${SEQ:-2048}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for mode in off tensorwise rowwise; do
-    timeout 180 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m workers.train \
+    timeout 180 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m fleet.workers.train \
         --preset small --fp8 "$mode" --steps "$STEPS" --batch-size "$BATCH" --seq-len "$SEQ" \
         --warmup-steps 0 --checkpoint-dir "$out/ckpt-$mode" --checkpoint-interval 0 \
         > "$out/$mode.log" 2>&1 || { echo "fp8=$mode failed:"; tail -40 "$out/$mode.log"; exit 1; }
@@ -29,8 +29,8 @@ done
 import json, re, sys
 from pathlib import Path
 import torch
-from workers import flops, metrics
-from workers.spec import PRESETS
+from fleet.workers import flops, metrics
+from fleet.workers.spec import PRESETS
 out, steps, batch, seq = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 fpt = flops.flops_per_token(PRESETS["small"], seq)
 peak = metrics.peak_flops(torch.device("cuda", 0))

@@ -13,7 +13,7 @@ Every part is the real one, each in its own process, all on 127.0.0.1:
     SQLite setting; or ``--postgres-url``);
   * **K synthetic agents**: each a real ``agent.uplink.Uplink`` streaming
     ``CollectiveColumns`` blocks of ``--block`` rows, which is what a node agent forwards
-    from its workers' reports (``fleet_proto.columns.pack``), with distinct keys per agent.
+    from its workers' reports (``fleet.proto.columns.pack``), with distinct keys per agent.
 
 Throughput: the agents submit ``--events`` in all as fast as the stream takes them
 (``Uplink.submit`` blocks when the controller falls behind: gRPC flow control, nothing is
@@ -60,11 +60,11 @@ SHAPES = [[[4096, 1024]], [[1024, 1024]], [[2, 8, 512]], [[1]], [[64, 4096], [64
 
 
 def _block(agent: int, first: int, n: int, now_ns: int):
-    """Rows ``first .. first+n-1`` of agent ``agent`` as one CollectiveColumns block.
+    """Rows ``first .. first+n-1`` of agent ``fleet.agent`` as one CollectiveColumns block.
 
     Row i is rank agent*8 + i%8, group i//8 % 2, seq i//16: distinct keys everywhere."""
-    from fleet_proto import events_pb2
-    from fleet_proto.columns import dtypes_json, shapes_json
+    from fleet.proto import events_pb2
+    from fleet.proto.columns import dtypes_json, shapes_json
 
     strings = [JOB, "0", "1", *OPS, *(shapes_json(s) for s in SHAPES), dtypes_json(["bfloat16"]),
                "completed"]
@@ -87,10 +87,10 @@ def _block(agent: int, first: int, n: int, now_ns: int):
 
 def serve_controller(url: str) -> int:
     """Run a controller on ``url`` until stdin closes; print its address, then its counts."""
-    from controlplane.agent_server import AgentRegistry, AgentServicer
-    from controlplane.control_server import ControlServicer
-    from controlplane.grpc_server import ControllerServer
-    from controlplane.store import Store
+    from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
+    from fleet.controlplane.control_server import ControlServicer
+    from fleet.controlplane.grpc_server import ControllerServer
+    from fleet.controlplane.store import Store
 
     class NoJobs:  # ControlService is not exercised here
         pass
@@ -112,8 +112,8 @@ def serve_controller(url: str) -> int:
 
 def serve_agent(address: str, index: int, events: int, block: int, rate: float) -> int:
     """One synthetic agent: connect, wait for "go" on stdin, submit, wait for every ack."""
-    from agent.uplink import Uplink
-    from fleet_proto import agent_pb2, events_pb2
+    from fleet.agent.uplink import Uplink
+    from fleet.proto import agent_pb2, events_pb2
 
     submitted: list[float] = []     # monotonic submit time per block
     acked_at: list[float] = []      # monotonic ack time per block, in order
@@ -226,8 +226,8 @@ def count_rows(url: str) -> tuple[int, int]:
 
 def raw_sqlite(folder: Path, agents: int, events: int, block: int, chunk: int) -> float:
     """Rows/s of plain sqlite3.executemany of the benchmark's rows into a fresh file."""
-    from controlplane.store import Store
-    from controlplane.store.ingest import COLLECTIVE_COLUMNS, _column_rows
+    from fleet.controlplane.store import Store
+    from fleet.controlplane.store.ingest import COLLECTIVE_COLUMNS, _column_rows
 
     path = folder / f"raw-{chunk}-{time.monotonic_ns()}.db"
     Store(f"sqlite:///{path}").close()  # the same tables and indexes as the real store
@@ -340,7 +340,7 @@ def main() -> int:
 def _truncate(url: str) -> None:
     from sqlalchemy import create_engine, text
 
-    from controlplane.store import Store
+    from fleet.controlplane.store import Store
     Store(url).close()
     engine = create_engine(url)
     with engine.begin() as c:

@@ -15,7 +15,7 @@ asynchronous checkpoints) for ``--steps`` steps, alternately
   * **off** — ``TORCH_FR_BUFFER_SIZE=0`` and no agent (telemetry discarded).
 
 Ranks are launched the way torchrun launches them (``RANK``/``WORLD_SIZE``/``MASTER_*``
-in the environment, ``python -m workers.train``; rank 0 serves the rendezvous on
+in the environment, ``python -m fleet.workers.train``; rank 0 serves the rendezvous on
 127.0.0.1). A step's time is the whole loop iteration (hooks and reporting included) as
 the worker measures it; per run the figure is the median over steps after
 ``--warmup-steps`` and over ranks; per mode the median over runs. Runs alternate
@@ -48,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from controlplane.config import DEFAULT_CLUSTER_FILE, ClusterConfig, load_cluster_config  # noqa: E402
+from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, ClusterConfig, load_cluster_config  # noqa: E402
 
 _RESULT = re.compile(r"FLEET_WORKER_RESULT (\{.*\})")
 TOKEN = "overhead-bench-token-0123456789"
@@ -59,11 +59,11 @@ TOKEN = "overhead-bench-token-0123456789"
 def _serve_controller(db: str, steps: int) -> None:
     """Child: a controller gRPC server over a SQLite store; prints its address and job id,
     serves until stdin closes, then prints what the store holds."""
-    from controlplane.agent_server import AgentRegistry, AgentServicer
-    from controlplane.control_server import ControlServicer
-    from controlplane.errors import NotFoundError
-    from controlplane.grpc_server import ControllerServer
-    from controlplane.store import Store
+    from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
+    from fleet.controlplane.control_server import ControlServicer
+    from fleet.controlplane.errors import NotFoundError
+    from fleet.controlplane.grpc_server import ControllerServer
+    from fleet.controlplane.store import Store
 
     class _NoJobs:  # ControlService is served but unused by the bench
         def __getattr__(self, name: str):  # noqa: ANN204
@@ -95,7 +95,7 @@ def _serve_controller(db: str, steps: int) -> None:
 def _serve_agent(node: str, controller: str, cfg: ClusterConfig) -> None:
     """Child: one node's NodeAgent; prints its local address, serves until stdin closes,
     then waits until everything it received is committed and prints its counters."""
-    from agent.node_agent import NodeAgent
+    from fleet.agent.node_agent import NodeAgent
 
     agent = NodeAgent(node_name=node, controller_address=controller, token=TOKEN,
                       batch_max_events=cfg.agent.batch_max_events,
@@ -162,7 +162,7 @@ def _train_args(cfg: ClusterConfig, steps: int) -> list[str]:
 
 
 def _free_port() -> int:
-    from workers.rendezvous import listen_on
+    from fleet.workers.rendezvous import listen_on
     sock = listen_on("127.0.0.1", 0)
     port = sock.getsockname()[1]
     sock.close()
@@ -180,7 +180,7 @@ def _launch(cfg: ClusterConfig, steps: int, tmp: Path, job_id: str, fr_entries: 
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "TORCH_FR_BUFFER_SIZE": str(fr_entries),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        cmd = [sys.executable, "-m", "workers.train", "--checkpoint-dir", str(tmp / "ckpt"),
+        cmd = [sys.executable, "-m", "fleet.workers.train", "--checkpoint-dir", str(tmp / "ckpt"),
                "--job-id", job_id, "--fr-buffer-entries", str(fr_entries), *_train_args(cfg, steps)]
         if agents:
             cmd += ["--agent-address", agents[rank // per_node],

@@ -66,7 +66,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.recovery_worker import KILL_MARKER, STEP_LOG, RecoveryJob, read_log  # noqa: E402
-from controlplane.cli.render import print_table  # noqa: E402
+from fleet.controlplane.cli.render import print_table  # noqa: E402
 
 RUNNERS = ("fleet", "torchrun", "raytrain")
 #: The worker environment every peer gets: ranks share 2 cores, gloo on loopback.
@@ -249,7 +249,7 @@ def _fleet_up(job: RecoveryJob, workdir: Path, fault: dict, timeout_s: float) ->
     """Run `fleet up` on the job with ``fault``; return (fleet report, wall s, note)."""
     workdir.mkdir(parents=True, exist_ok=True)
     cluster = _fleet_cluster(job, workdir, fault)
-    fleet = [sys.executable, "-m", "controlplane.cli.main"]
+    fleet = [sys.executable, "-m", "fleet.controlplane.cli.main"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     t0 = time.monotonic()
     out = subprocess.run([*fleet, "up", "--cluster", str(cluster), "--json"], cwd=workdir, env=env,
@@ -272,7 +272,7 @@ def run_fleet(job: RecoveryJob, workdir: Path, timeout_s: float) -> Outcome:
     same). Then a second run where that rank hangs at that step instead, for the hang
     detection time. Step rows come from fleet's store; the kill time is the end of the
     step before the kill step (the fault fires at the top of the next one, ~1 ms later)."""
-    from controlplane.store import Store
+    from fleet.controlplane.store import Store
 
     crash_dir = workdir / "crash"
     report, wall, note = _fleet_up(job, crash_dir, {"kind": "crash", "rank": job.kill_rank,
@@ -411,7 +411,7 @@ def main() -> int:
     runners = [r for r in RUNNERS if not getattr(args, f"skip_{r}")]
     base = RecoveryJob(workdir="", steps=args.steps, kill_step=args.kill_step,
                        checkpoint_interval=args.checkpoint_interval, pg_timeout_s=args.pg_timeout_s)
-    from workers.flops import describe
+    from fleet.workers.flops import describe
 
     params = describe(base.model())["total_params"]
     print(f"job: {base.world_size} ranks, DDP, {params / 1e6:.2f}M parameters, {base.steps} steps, "

@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # torchrun runs this file as a script
     sys.path.insert(0, str(REPO))
 
-from workers.spec import PRESETS, ModelArgs, TrainArgs, WorkerSpec  # noqa: E402
+from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs, WorkerSpec  # noqa: E402
 
 STEP_LOG = "steps.jsonl"
 KILL_MARKER = "killed.marker"
@@ -144,7 +144,7 @@ def run_rank(job: RecoveryJob, rank: int, world_size: int, **spec_kw: object) ->
     pid = os.getpid()
     with StepLog(log_path) as steps:
         steps.write(event="start", rank=rank, attempt=attempt, pid=pid, time=time.time())
-        from workers.train import run  # imports torch: after the start row, so it shows in the log
+        from fleet.workers.train import run  # imports torch: after the start row, so it shows in the log
 
         def before_step(step: int) -> None:
             if (job.kill_step and rank == job.kill_rank and step >= job.kill_step

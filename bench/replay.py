@@ -162,7 +162,7 @@ def run_tool(tool: str, folder: Path, prefix: str, timeout_s: float) -> tuple[Ru
         return run, {"ok": ok, "entries": int(run.out.strip() or 0) if ok else None,
                      "error": None if ok else _tail(run)}
     if tool == "fleet":
-        run = measure([sys.executable, "-m", "controlplane.cli.main", "replay", "--dumps", str(folder),
+        run = measure([sys.executable, "-m", "fleet.controlplane.cli.main", "replay", "--dumps", str(folder),
                        "--prefix", prefix, "--json"], timeout_s)
         try:
             doc = json.loads(run.out)

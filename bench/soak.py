@@ -63,13 +63,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from controlplane.cli.render import print_table  # noqa: E402
+from fleet.controlplane.cli.render import print_table  # noqa: E402
 
 #: The fault mix, drawn uniformly.
 FAULT_KINDS = ("crash", "hang", "slow", "node-down", "agent-down")
 RANK_FAULTS = frozenset({"crash", "hang", "slow"})
 TARGET_ETTR = 0.90
-FLEET = [sys.executable, "-m", "controlplane.cli.main"]
+FLEET = [sys.executable, "-m", "fleet.controlplane.cli.main"]
 
 
 # -- the plan -------------------------------------------------------------------------------
@@ -234,8 +234,8 @@ class FleetUp:
         session is still alive after it exited is SIGKILLed by PID and noted."""
         notes = []
         if self.running() and job_id:
-            from controlplane.client import ControlClient
-            from controlplane.errors import FleetError
+            from fleet.controlplane.client import ControlClient
+            from fleet.controlplane.errors import FleetError
 
             try:
                 with ControlClient.from_state_dir(state_dir, None) as client:
@@ -285,9 +285,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def wait_first_step(fleet: FleetUp, state_dir: Path, timeout_s: float) -> str:
     """Block until the job's first step is done; return the job id."""
-    from controlplane import auth
-    from controlplane.client import ControlClient
-    from controlplane.errors import FleetError
+    from fleet.controlplane import auth
+    from fleet.controlplane.client import ControlClient
+    from fleet.controlplane.errors import FleetError
 
     deadline = time.monotonic() + timeout_s
     job_id = ""
@@ -309,7 +309,7 @@ def wait_first_step(fleet: FleetUp, state_dir: Path, timeout_s: float) -> str:
 def inject(client, job_id: str, fault: Fault, retry_s: float) -> tuple[float | None, int, float, str]:  # noqa: ANN001
     """Send ``fault``, retrying refusals (between attempts, controller busy) for up to
     ``retry_s``; return (Unix time accepted or None, attempt, seconds waited, error)."""
-    from controlplane.errors import FleetError, StateError, UnavailableError
+    from fleet.controlplane.errors import FleetError, StateError, UnavailableError
 
     t0 = time.monotonic()
     error = ""
@@ -331,7 +331,7 @@ def soak(fleet: FleetUp, state_dir: Path, job_id: str, plan: list[Fault], args: 
          injections: list[Injection]) -> float:
     """Inject the planned faults on schedule until the soak is over (or `fleet up` exits);
     append each to ``injections``; return the soak's Unix start (first step seen)."""
-    from controlplane.client import ControlClient
+    from fleet.controlplane.client import ControlClient
 
     t_start, m0 = time.time(), time.monotonic()
     end = m0 + args.minutes * 60
@@ -369,7 +369,7 @@ def fleet_report(workdir: Path, url: str, job_id: str) -> dict:
 def summarize(report: dict, store_url: str, job_id: str, world_size: int, injections: list[Injection],
               t_start: float, t_stop: float, window_s: float) -> tuple[dict, list[list[str]]]:
     """The result dict and one table row per injection (module docstring)."""
-    from controlplane.store import Store
+    from fleet.controlplane.store import Store
 
     with Store(store_url) as st:
         rows = st.steps(job_id)
@@ -511,7 +511,7 @@ def main() -> int:
         with _no_interrupts():
             if not job_id:
                 try:
-                    from controlplane import auth
+                    from fleet.controlplane import auth
 
                     job_id = auth.read_controller_info(state_dir).job_id
                 except Exception:  # noqa: BLE001 -- no controller came up: nothing to stop by id

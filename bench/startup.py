@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.torchrun_workers import run_workers  # noqa: E402
-from controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config  # noqa: E402
+from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config  # noqa: E402
 
 FLEET_PARTS = ("ray_start_s", "controller_start_s", "agents_start_s", "placement_s")
 WORKER_PARTS = ("pg_init_s", "restore_s")
@@ -38,7 +38,7 @@ def run_fleet(cluster: Path, timeout_s: float) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp:
         t0 = time.perf_counter()
         out = subprocess.run(
-            [sys.executable, "-m", "controlplane.cli.main", "up", "--cluster", str(cluster), "--json"],
+            [sys.executable, "-m", "fleet.controlplane.cli.main", "up", "--cluster", str(cluster), "--json"],
             cwd=tmp, capture_output=True, text=True, timeout=timeout_s,
         )
         wall = time.perf_counter() - t0

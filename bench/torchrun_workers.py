@@ -1,4 +1,4 @@
-"""Run fleet's worker (`python -m workers.train`) under plain `torchrun --standalone` and
+"""Run fleet's worker (`python -m fleet.workers.train`) under plain `torchrun --standalone` and
 collect each rank's result line: the control-plane-free peer the benchmarks compare with."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def run_workers(ranks: int, train_args: list[str], timeout_s: float, what: str) 
     returns the wall seconds and every rank's result dict. Exits naming ``what`` on failure."""
     with tempfile.TemporaryDirectory(prefix="fleet-bench-torchrun-") as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(ranks), "-m", "workers.train",
+               "--nproc-per-node", str(ranks), "-m", "fleet.workers.train",
                "--checkpoint-dir", str(Path(tmp) / "ckpt"), *train_args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
         t0 = time.perf_counter()

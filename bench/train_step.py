@@ -3,7 +3,7 @@ FP8 / high-precision step-time ratio, measured side by side in one run.
 
     python bench/train_step.py [--preset tiny] [--steps 60] [--repeats 3]
 
-Every configuration runs the real worker (`python -m workers.train` under
+Every configuration runs the real worker (`python -m fleet.workers.train` under
 `torchrun --standalone`, gloo on 127.0.0.1, FSDP2, the Llama-4-style MoE model) and
 reports the training-loop time of its slowest rank; configurations are interleaved
 per repeat so machine noise hits them alike; figures are medians. The last line is one

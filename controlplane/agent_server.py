@@ -32,18 +32,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from controlplane.auth import TOKEN_METADATA_KEY, tokens_equal
-from controlplane.errors import UnavailableError
-from controlplane.ingest_writer import IngestWriter, Item
-from controlplane.metrics import ControllerMetrics
-from controlplane.store import HealthRecord, Store
-from controlplane.store.ingest import InvalidBatch, PreparedBatch, count_events, prepare
+from fleet.controlplane.auth import TOKEN_METADATA_KEY, tokens_equal
+from fleet.controlplane.errors import UnavailableError
+from fleet.controlplane.ingest_writer import IngestWriter, Item
+from fleet.controlplane.metrics import ControllerMetrics
+from fleet.controlplane.store import HealthRecord, Store
+from fleet.controlplane.store.ingest import InvalidBatch, PreparedBatch, count_events, prepare
 
 #: What the AgentService deserializer returns for bytes that are not an AgentMessage,
 #: and for a message over the size limit.
 MALFORMED = object()
 OVERSIZED = object()
-from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agent.tls import TlsFiles
-from controlplane.errors import UnavailableError
+from fleet.agent.tls import TlsFiles
+from fleet.controlplane.errors import UnavailableError
 
 TOKEN_METADATA_KEY = "x-fleet-token"
 

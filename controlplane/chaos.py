@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from controlplane.errors import ConfigError, NotFoundError, StateError
-from workers.faults import DEFAULT_SLOW_DELAY_S
+from fleet.controlplane.errors import ConfigError, NotFoundError, StateError
+from fleet.workers.faults import DEFAULT_SLOW_DELAY_S
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ def corrupt_checkpoint(checkpoint_dir: str | Path) -> Path:
     """Flip bytes in place in the largest data file of the newest valid checkpoint under
     ``checkpoint_dir`` (``workers.checkpoint.corrupt_newest``), so that ``latest_valid``
     skips it; return that file. ``NotFoundError`` when there is no valid checkpoint."""
-    from workers import checkpoint  # torch: only the controller that corrupts pays for it
+    from fleet.workers import checkpoint  # torch: only the controller that corrupts pays for it
 
     try:
         return checkpoint.corrupt_newest(checkpoint_dir)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import grpc
 
-from agent.tls import TlsFileError, TlsFiles, channel_credentials
-from controlplane import auth
-from controlplane.errors import (
+from fleet.agent.tls import TlsFileError, TlsFiles, channel_credentials
+from fleet.controlplane import auth
+from fleet.controlplane.errors import (
     AuthError,
     ConfigError,
     FleetError,
@@ -21,7 +21,7 @@ from controlplane.errors import (
     StateError,
     UnavailableError,
 )
-from fleet_proto import control_pb2, control_pb2_grpc, events_pb2
+from fleet.proto import control_pb2, control_pb2_grpc, events_pb2
 
 _CODES: dict[grpc.StatusCode, type[FleetError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: ConfigError,

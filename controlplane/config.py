@@ -22,11 +22,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from agent.tls import TlsFiles
-from agent.uplink import MESSAGE_HEADROOM_BYTES
-from controlplane import chaos
-from controlplane.errors import ConfigError
-from workers.spec import PRESETS, ModelArgs, TrainArgs
+from fleet.agent.tls import TlsFiles
+from fleet.agent.uplink import MESSAGE_HEADROOM_BYTES
+from fleet.controlplane import chaos
+from fleet.controlplane.errors import ConfigError
+from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs
 
 #: The embedded default, used when ``fleet up`` is given no ``--cluster``.
 DEFAULT_CLUSTER_FILE = Path(__file__).resolve().parent.parent / "examples" / "local.yaml"

@@ -13,10 +13,10 @@ from typing import Protocol, TypeVar
 
 import grpc
 
-from controlplane.auth import TOKEN_METADATA_KEY, tokens_equal
-from controlplane.chaos import FaultOrder, validate_order
-from controlplane.errors import FleetError
-from fleet_proto import control_pb2, control_pb2_grpc, events_pb2
+from fleet.controlplane.auth import TOKEN_METADATA_KEY, tokens_equal
+from fleet.controlplane.chaos import FaultOrder, validate_order
+from fleet.controlplane.errors import FleetError
+from fleet.proto import control_pb2, control_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
 

@@ -25,17 +25,17 @@ from pathlib import Path
 
 import psutil
 
-from controlplane import auth, chaos
-from controlplane.agent_server import AgentRegistry, AgentServicer
-from controlplane.config import ClusterConfig
-from controlplane.control_server import ControlServicer
-from controlplane.detectors import Incident, attribute_failures, attribute_with_trace, decide_restart
-from controlplane.errors import FleetError, NotFoundError, StateError, UnavailableError
-from controlplane.grpc_server import ControllerServer
-from controlplane.lifecycle import AttemptState, JobState
-from controlplane.placement import choose_nodes
-from controlplane.policy import decide_quarantine
-from controlplane.recovery import (
+from fleet.controlplane import auth, chaos
+from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
+from fleet.controlplane.config import ClusterConfig
+from fleet.controlplane.control_server import ControlServicer
+from fleet.controlplane.detectors import Incident, attribute_failures, attribute_with_trace, decide_restart
+from fleet.controlplane.errors import FleetError, NotFoundError, StateError, UnavailableError
+from fleet.controlplane.grpc_server import ControllerServer
+from fleet.controlplane.lifecycle import AttemptState, JobState
+from fleet.controlplane.placement import choose_nodes
+from fleet.controlplane.policy import decide_quarantine
+from fleet.controlplane.recovery import (
     PendingRecovery,
     caused,
     end_leftovers,
@@ -43,10 +43,10 @@ from controlplane.recovery import (
     note_processes,
     processes_file,
 )
-from controlplane.replay import diagnose_attempt
-from controlplane.store import NODE_QUARANTINED, Store
-from controlplane.watchdog import Watchdog
-from fleet_proto import control_pb2, events_pb2
+from fleet.controlplane.replay import diagnose_attempt
+from fleet.controlplane.store import NODE_QUARANTINED, Store
+from fleet.controlplane.watchdog import Watchdog
+from fleet.proto import control_pb2, events_pb2
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class Controller:
 
     def run(self) -> RunResult:
         """Run the job to an end state; always tears down what it started."""
-        from controlplane.orchestrator import AgentSet, RayRuntime  # Ray only loads here
+        from fleet.controlplane.orchestrator import AgentSet, RayRuntime  # Ray only loads here
 
         cfg = self.config
         t_start = time.monotonic()
@@ -341,7 +341,7 @@ class Controller:
         return result
 
     def _attempts(self, nodes: list, agents, recovery: PendingRecovery | None) -> RunResult:  # noqa: ANN001
-        from controlplane.orchestrator import WorkerGroup, WorkerPool
+        from fleet.controlplane.orchestrator import WorkerGroup, WorkerPool
 
         cfg = self.config
         pool = self._pool = WorkerPool(cfg.job.spare_workers_per_node)
@@ -726,7 +726,7 @@ class Controller:
                  rec.first_step_s, rec.restored_step, rec.restored_from, rec.steps_lost, rec.reused_workers)
 
     def _specs(self, attempt, placement, port, ckpt_dir, local_addresses):  # noqa: ANN001
-        from workers.spec import WorkerSpec
+        from fleet.workers.spec import WorkerSpec
 
         cfg = self.config
         env = worker_env(cfg)

@@ -16,11 +16,11 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from agent.tls import TlsFileError, TlsFiles, server_credentials
-from controlplane.agent_server import MALFORMED, OVERSIZED, AgentServicer
-from controlplane.control_server import ControlServicer
-from controlplane.errors import ConfigError, UnavailableError
-from fleet_proto import agent_pb2, control_pb2_grpc
+from fleet.agent.tls import TlsFileError, TlsFiles, server_credentials
+from fleet.controlplane.agent_server import MALFORMED, OVERSIZED, AgentServicer
+from fleet.controlplane.control_server import ControlServicer
+from fleet.controlplane.errors import ConfigError, UnavailableError
+from fleet.proto import agent_pb2, control_pb2_grpc
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 GRPC_LIMIT_FACTOR = 4

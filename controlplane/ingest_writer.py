@@ -30,11 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from controlplane.errors import UnavailableError
-from controlplane.metrics import ControllerMetrics
-from controlplane.store import HealthRecord, Store
-from controlplane.store.ingest import InvalidBatch, PreparedBatch
-from fleet_proto import agent_pb2
+from fleet.controlplane.errors import UnavailableError
+from fleet.controlplane.metrics import ControllerMetrics
+from fleet.controlplane.store import HealthRecord, Store
+from fleet.controlplane.store.ingest import InvalidBatch, PreparedBatch
+from fleet.proto import agent_pb2
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from controlplane.errors import StateError
+from fleet.controlplane.errors import StateError
 
 
 class JobState(str, enum.Enum):

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controlplane.config import AgentConfig, ControllerConfig, RayConfig
-from controlplane.errors import UnavailableError
+from fleet.controlplane.config import AgentConfig, ControllerConfig, RayConfig
+from fleet.controlplane.errors import UnavailableError
 
 # Ray resolves its node address to loopback only with this set (read at import time).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -25,9 +25,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from agent.ray_actor import AgentActor  # noqa: E402
-from workers.ray_actor import WorkerActor  # noqa: E402
-from workers.spec import WorkerSpec  # noqa: E402
+from fleet.agent.ray_actor import AgentActor  # noqa: E402
+from fleet.workers.ray_actor import WorkerActor  # noqa: E402
+from fleet.workers.spec import WorkerSpec  # noqa: E402
 
 log = logging.getLogger(__name__)
 

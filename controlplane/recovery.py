@@ -12,9 +12,9 @@ from pathlib import Path
 
 import psutil
 
-from controlplane import chaos
-from controlplane.detectors import Incident
-from controlplane.store import RecoveryRecord, WorkerStatusRecord
+from fleet.controlplane import chaos
+from fleet.controlplane.detectors import Incident
+from fleet.controlplane.store import RecoveryRecord, WorkerStatusRecord
 
 
 @dataclass

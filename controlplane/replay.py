@@ -13,10 +13,10 @@ from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
-from controlplane.diagnosis import Diagnosis, SignatureTable, TraceBuilder, TraceSet, diagnose
-from controlplane.diagnosis.traces import normalize_op
-from controlplane.lifecycle import AttemptState
-from controlplane.store import CollectiveRecord, Store
+from fleet.controlplane.diagnosis import Diagnosis, SignatureTable, TraceBuilder, TraceSet, diagnose
+from fleet.controlplane.diagnosis.traces import normalize_op
+from fleet.controlplane.lifecycle import AttemptState
+from fleet.controlplane.store import CollectiveRecord, Store
 
 #: Attempt states whose traces may still grow (their waits can be in flight).
 _LIVE = {AttemptState.PLACING, AttemptState.RUNNING}

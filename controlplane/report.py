@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from controlplane.store import (
+from fleet.controlplane.store import (
     NODE_QUARANTINED,
     ActionRecord,
     AttemptRecord,

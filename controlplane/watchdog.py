@@ -45,13 +45,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from controlplane import detectors
-from controlplane.config import ControllerConfig, DetectConfig
-from controlplane.detectors import Incident
-from controlplane.diagnosis import Diagnosis, DiagnosisConfig, TraceSet, diagnose
-from controlplane.replay import attempt_traces
-from controlplane.store import Store
-from controlplane.store.ingest import COLLECTIVE_COLUMNS, PreparedBatch
+from fleet.controlplane import detectors
+from fleet.controlplane.config import ControllerConfig, DetectConfig
+from fleet.controlplane.detectors import Incident
+from fleet.controlplane.diagnosis import Diagnosis, DiagnosisConfig, TraceSet, diagnose
+from fleet.controlplane.replay import attempt_traces
+from fleet.controlplane.store import Store
+from fleet.controlplane.store.ingest import COLLECTIVE_COLUMNS, PreparedBatch
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controlplane.config import ClusterConfig  # noqa: E402
+from fleet.controlplane.config import ClusterConfig  # noqa: E402
 
 BEGIN = "<!-- BEGIN cluster.yaml reference (scripts/gen_config_reference.py) -->"
 END = "<!-- END cluster.yaml reference -->"

@@ -141,7 +141,7 @@ def _rank_main(rank: int, world_size: int, port: int, case: str, outdir: str) ->
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch.distributed as dist
 
-    from workers.rendezvous import loopback_store
+    from fleet.workers.rendezvous import loopback_store
 
     timeout = timedelta(seconds=PG_TIMEOUT_S)
     store = loopback_store(rank, world_size, port, COORD_TIMEOUT_S)

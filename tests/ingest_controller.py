@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import sys
 
-from controlplane.agent_server import AgentRegistry, AgentServicer
-from controlplane.control_server import ControlServicer
-from controlplane.grpc_server import ControllerServer
-from controlplane.store import Store
+from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
+from fleet.controlplane.control_server import ControlServicer
+from fleet.controlplane.grpc_server import ControllerServer
+from fleet.controlplane.store import Store
 
 TOKEN = "test-ingest-token-0123456789"
 

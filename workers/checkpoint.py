@@ -57,7 +57,7 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from workers.recorder import FlightRecorder
+from fleet.workers.recorder import FlightRecorder
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def _set_rank_state(state: dict) -> int | None:
 # ---- expert-parallel key renaming --------------------------------------------------------
 
 def _expert_prefixes(model: nn.Module) -> tuple[str, ...]:
-    from workers.parallel import expert_modules  # parallel imports FSDP; keep it lazy
+    from fleet.workers.parallel import expert_modules  # parallel imports FSDP; keep it lazy
 
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     return tuple(name + "." for name, _ in expert_modules(inner))

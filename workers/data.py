@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.spec import TrainArgs
+from fleet.workers.spec import TrainArgs
 
 EOS = 0
 IGNORE = -100

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fleet_proto import events_pb2
+from fleet.proto import events_pb2
 
 if TYPE_CHECKING:
     import torch
@@ -148,7 +148,7 @@ class FaultHooks:
             if corrupt_at is not None and step >= corrupt_at:
                 self._corrupt_at_step = None
         if corrupt_at is not None and step >= corrupt_at:
-            from workers import checkpoint
+            from fleet.workers import checkpoint
 
             try:
                 damaged = checkpoint.corrupt_newest(self.checkpoint_dir)

@@ -1,7 +1,7 @@
 """Record every collective of a plain torchrun script: fleet's flight recorder as a library.
 
     import torch.distributed as dist
-    from workers.flight import record_collectives
+    from fleet.workers.flight import record_collectives
 
     with record_collectives(dump_dir="fr_dumps") as rec:   # before init_process_group
         dist.init_process_group("nccl")
@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from workers import native_fr
-from workers.native_fr import NativeFlightTail
-from workers.reporter import Reporter
-from workers.spec import WorkerSpec
+from fleet.workers import native_fr
+from fleet.workers.native_fr import NativeFlightTail
+from fleet.workers.reporter import Reporter
+from fleet.workers.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 

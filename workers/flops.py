@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.model import Transformer
-from workers.moe import GroupedExperts
-from workers.spec import ModelArgs
+from fleet.workers.model import Transformer
+from fleet.workers.moe import GroupedExperts
+from fleet.workers.spec import ModelArgs
 
 
 def meta_model(args: ModelArgs) -> Transformer:

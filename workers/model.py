@@ -43,9 +43,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from workers.fp8 import convert_to_float8
-from workers.moe import FeedForward, GroupedExperts, MoE
-from workers.spec import ModelArgs
+from fleet.workers.fp8 import convert_to_float8
+from fleet.workers.moe import FeedForward, GroupedExperts, MoE
+from fleet.workers.spec import ModelArgs
 
 __all__ = ["Attention", "AttentionContext", "Block", "FeedForward", "MoE", "RMSNorm", "Transformer"]
 

@@ -44,8 +44,8 @@ import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
-from workers.fp8 import float8_linear
-from workers.spec import ModelArgs
+from fleet.workers.fp8 import float8_linear
+from fleet.workers.spec import ModelArgs
 
 
 class FeedForward(nn.Module):

@@ -75,7 +75,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleet_proto import events_pb2
+from fleet.proto import events_pb2
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import socket
 
-from workers.rendezvous import listen_on
-from workers.spec import WorkerSpec
+from fleet.workers.rendezvous import listen_on
+from fleet.workers.spec import WorkerSpec
 
 
 class WorkerActor:
@@ -24,7 +24,7 @@ class WorkerActor:
     def warm(self) -> bool:
         """Import torch and the training code now, so that this process can take a rank
         at once (a warm spare)."""
-        from workers import train  # noqa: F401
+        from fleet.workers import train  # noqa: F401
 
         return True
 
@@ -44,7 +44,7 @@ class WorkerActor:
 
     def run(self, spec: WorkerSpec) -> dict:
         """Train this rank (see ``workers.train.run``); returns its result dict."""
-        from workers import train  # torch loads here, in the worker process only
+        from fleet.workers import train  # torch loads here, in the worker process only
 
         sock, self._listen = self._listen, None
         try:

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from fleet_proto import events_pb2
-from workers.native_fr import NativeFlightTail
+from fleet.proto import events_pb2
+from fleet.workers.native_fr import NativeFlightTail
 
 Sink = Callable[[events_pb2.Event], None]
 

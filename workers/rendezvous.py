@@ -10,7 +10,7 @@ import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from workers.spec import WorkerSpec
+from fleet.workers.spec import WorkerSpec
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -4,7 +4,7 @@
 insecure gRPC channel to ``spec.agent_address``. Every ``spec.report_interval_s`` the
 thread takes everything buffered by ``emit`` and sends it in one
 ``NodeAgent.Report(WorkerReport)`` call (collectives packed into one column block,
-``fleet_proto.columns``), then passes each returned ``Command`` to
+``fleet.proto.columns``), then passes each returned ``Command`` to
 ``on_command``. It calls even with nothing to send, so commands still arrive. Status
 and checkpoint events are sent at once instead of waiting for the next report.
 Between reports the thread runs the event sources (``add_source``) on their own,
@@ -39,8 +39,8 @@ from collections.abc import Callable
 
 import grpc
 
-from fleet_proto import agent_pb2, agent_pb2_grpc, columns, events_pb2
-from workers.spec import WorkerSpec
+from fleet.proto import agent_pb2, agent_pb2_grpc, columns, events_pb2
+from fleet.workers.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 

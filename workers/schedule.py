@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from workers.spec import TrainArgs
+from fleet.workers.spec import TrainArgs
 
 
 def lr_at(train: TrainArgs, step: int) -> float:

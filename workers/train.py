@@ -36,16 +36,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fleet_proto import events_pb2
-from workers import metrics, native_fr
-from workers.faults import FaultHooks
-from workers.native_fr import NativeFlightTail
-from workers.peer_links import PeerLinks
-from workers.recorder import FlightRecorder
-from workers.rendezvous import rendezvous_store
-from workers.reporter import Reporter
-from workers.spec import PRESETS, TrainArgs, WorkerSpec
-from workers.trainer import StepResult, Trainer, backend_for, pick_device
+from fleet.proto import events_pb2
+from fleet.workers import metrics, native_fr
+from fleet.workers.faults import FaultHooks
+from fleet.workers.native_fr import NativeFlightTail
+from fleet.workers.peer_links import PeerLinks
+from fleet.workers.recorder import FlightRecorder
+from fleet.workers.rendezvous import rendezvous_store
+from fleet.workers.reporter import Reporter
+from fleet.workers.spec import PRESETS, TrainArgs, WorkerSpec
+from fleet.workers.trainer import StepResult, Trainer, backend_for, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ def spec_from_torchrun(argv: list[str] | None = None) -> WorkerSpec:
     MASTER_PORT) and the command line."""
     defaults = TrainArgs()
     parser = argparse.ArgumentParser(
-        prog="python -m workers.train",
+        prog="python -m fleet.workers.train",
         description="Train fleet's Llama-4-style model on one rank (launch with torchrun).")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="last training step")
     parser.add_argument("--checkpoint-dir", required=True, help="where step_NNNNNNNN/ checkpoints live")
@@ -294,7 +294,7 @@ def spec_from_torchrun(argv: list[str] | None = None) -> WorkerSpec:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point for ``torchrun ... -m workers.train``."""
+    """Entry point for ``torchrun ... -m fleet.workers.train``."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     result = run(spec_from_torchrun(argv))
     log.info("rank %d finished at step %d (restored from %d)",

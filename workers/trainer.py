@@ -33,11 +33,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from workers import checkpoint, data, flops, metrics, parallel, snapshot
-from workers.model import Transformer
-from workers.recorder import FlightRecorder
-from workers.schedule import lr_at
-from workers.spec import WorkerSpec
+from fleet.workers import checkpoint, data, flops, metrics, parallel, snapshot
+from fleet.workers.model import Transformer
+from fleet.workers.recorder import FlightRecorder
+from fleet.workers.schedule import lr_at
+from fleet.workers.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 

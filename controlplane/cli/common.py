@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from controlplane.errors import NotFoundError
+from fleet.controlplane.errors import NotFoundError
 
 if TYPE_CHECKING:
-    from controlplane.store import Store
+    from fleet.controlplane.store import Store
 
 DEFAULT_STORE_URL = "sqlite:///.fleet/fleet.db"
 
@@ -32,9 +32,9 @@ def open_store(store: str | None, cluster: Path | None) -> Store:
     """The store named by --store, else by the cluster file's store.url, for reading: a
     SQLite file that does not exist is an error (a typo must not create an empty store)."""
     # imported here: commands that need no store (replay --dumps) start faster
-    from controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
-    from controlplane.store import Store
-    from controlplane.store.engine import sqlite_file
+    from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
+    from fleet.controlplane.store import Store
+    from fleet.controlplane.store.engine import sqlite_file
 
     if store:
         url, source = store, "--store"

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from controlplane.cli.common import DEFAULT_STORE_URL, JsonOpt
-from controlplane.cli.render import console, print_json
+from fleet.controlplane.cli.common import DEFAULT_STORE_URL, JsonOpt
+from fleet.controlplane.cli.render import console, print_json
 
 app = typer.Typer(name="db", help="The store's schema: migrations.", no_args_is_help=True)
 
@@ -26,7 +26,7 @@ ClusterOpt = Annotated[
 
 def _store_url(url: str | None, cluster: Path | None) -> str:
     """--url, else the cluster file's store.url (the file `fleet up` runs by default)."""
-    from controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
+    from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
 
     if url:
         return url
@@ -40,8 +40,8 @@ def _store_url(url: str | None, cluster: Path | None) -> str:
 @app.command("upgrade")
 def upgrade(url: UrlOpt = None, cluster: ClusterOpt = None) -> None:
     """Migrate the store's schema to this fleet's newest revision, keeping every row."""
-    from controlplane.store import migrate
-    from controlplane.store.engine import redact
+    from fleet.controlplane.store import migrate
+    from fleet.controlplane.store.engine import redact
 
     store_url = _store_url(url, cluster)
     before, after = migrate.upgrade_url(store_url)
@@ -66,7 +66,7 @@ _DESCRIBE = {
 @app.command("current")
 def current(url: UrlOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt = False) -> None:
     """Show the store's schema revision; changes nothing."""
-    from controlplane.store import migrate
+    from fleet.controlplane.store import migrate
 
     s = migrate.inspect_url(_store_url(url, cluster))
     if json_out:

@@ -7,12 +7,12 @@ from typing import Annotated
 
 import typer
 
-from controlplane.chaos import FAULT_KINDS, KIND_HELP, FaultOrder, validate_order
-from controlplane.cli.common import JsonOpt, StateDirOpt
-from controlplane.cli.render import console, print_json
-from controlplane.client import ControlClient
-from controlplane.errors import ConfigError
-from workers.faults import DEFAULT_SLOW_DELAY_S
+from fleet.controlplane.chaos import FAULT_KINDS, KIND_HELP, FaultOrder, validate_order
+from fleet.controlplane.cli.common import JsonOpt, StateDirOpt
+from fleet.controlplane.cli.render import console, print_json
+from fleet.controlplane.client import ControlClient
+from fleet.controlplane.errors import ConfigError
+from fleet.workers.faults import DEFAULT_SLOW_DELAY_S
 
 _KINDS_HELP = "\n\n".join(f"[bold]{kind}[/]: {KIND_HELP[kind]}." for kind in FAULT_KINDS)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
-from controlplane.cli.render import fmt_time, print_json, print_table
+from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
+from fleet.controlplane.cli.render import fmt_time, print_json, print_table
 
 
 def jobs(store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt = False) -> None:

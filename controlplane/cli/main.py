@@ -12,9 +12,9 @@ import traceback
 
 import typer
 
-from controlplane.cli import db, faults, jobs, model, nodes, replay, report, up
-from controlplane.cli.render import err_console
-from controlplane.errors import FleetError
+from fleet.controlplane.cli import db, faults, jobs, model, nodes, replay, report, up
+from fleet.controlplane.cli.render import err_console
+from fleet.controlplane.errors import FleetError
 
 app = typer.Typer(
     name="fleet",

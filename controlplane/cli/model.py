@@ -6,9 +6,9 @@ from typing import Annotated
 
 import typer
 
-from controlplane.cli.common import JsonOpt
-from controlplane.cli.render import print_json, print_table
-from controlplane.errors import ConfigError
+from fleet.controlplane.cli.common import JsonOpt
+from fleet.controlplane.cli.render import print_json, print_table
+from fleet.controlplane.errors import ConfigError
 
 PresetOpt = Annotated[str, typer.Option("--preset", help="Model preset (workers/spec.py PRESETS).")]
 
@@ -27,8 +27,8 @@ def _layers(ids: list[int], n_layers: int) -> str:
 def model_info(preset: PresetOpt = "tiny", json_out: JsonOpt = False) -> None:
     """Show a preset's total and active parameters, MoE/NoPE layers and FLOPs per token."""
     # torch is imported here, not at module load, so other commands start fast.
-    from workers.flops import describe
-    from workers.spec import PRESETS
+    from fleet.workers.flops import describe
+    from fleet.workers.spec import PRESETS
 
     if preset not in PRESETS:
         raise ConfigError(f"unknown model preset {preset!r}; valid presets: {', '.join(sorted(PRESETS))}")

@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 
-from controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
-from controlplane.cli.render import console, err_console, fmt_time, print_json, print_table
-from controlplane.errors import ConfigError
+from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
+from fleet.controlplane.cli.render import console, err_console, fmt_time, print_json, print_table
+from fleet.controlplane.errors import ConfigError
 
 
 def nodes(store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt = False) -> None:

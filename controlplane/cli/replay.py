@@ -9,9 +9,9 @@ from typing import Annotated, Any
 
 import typer
 
-from controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt
-from controlplane.cli.render import console, err_console, print_json, print_table
-from controlplane.errors import ConfigError, NotFoundError
+from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt
+from fleet.controlplane.cli.render import console, err_console, print_json, print_table
+from fleet.controlplane.errors import ConfigError, NotFoundError
 
 
 def replay(
@@ -88,7 +88,7 @@ class _View:
 
 
 def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path | None, json_out: bool) -> None:
-    from controlplane.diagnosis import diagnose, load_traces
+    from fleet.controlplane.diagnosis import diagnose, load_traces
 
     if json_out:
         traces = load_traces(folder, prefix)
@@ -108,8 +108,8 @@ def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path 
 
 def _replay_job(job_id: str, attempt: int | None, view: _View, perfetto: Path | None, last_steps: int,
                 store: str | None, cluster: Path | None, json_out: bool) -> None:
-    from controlplane.cli.common import open_store
-    from controlplane.replay import diagnose_attempt, replay_report
+    from fleet.controlplane.cli.common import open_store
+    from fleet.controlplane.replay import diagnose_attempt, replay_report
 
     with open_store(store, cluster) as st:
         report = replay_report(st, job_id, attempt)
@@ -134,7 +134,7 @@ def _replay_job(job_id: str, attempt: int | None, view: _View, perfetto: Path | 
 
 
 def _write_perfetto(path: Path, traces: Any, diag: Any, view: _View) -> None:
-    from controlplane.diagnosis.perfetto import perfetto_trace
+    from fleet.controlplane.diagnosis.perfetto import perfetto_trace
 
     doc = perfetto_trace(traces, diag, ranks=view.ranks, group=view.group, seq_range=view.seqs)
     try:

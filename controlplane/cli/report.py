@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
-from controlplane.cli.render import console, print_json, print_table
+from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
+from fleet.controlplane.cli.render import console, print_json, print_table
 
 
 def report(
@@ -17,7 +17,7 @@ def report(
 ) -> None:
     """ETTR (productive step time / wall time), lost time by category, incidents with
     their detection and recovery times, restarts and quarantines."""
-    from controlplane.report import job_report
+    from fleet.controlplane.report import job_report
 
     with open_store(store, cluster) as st:
         job = st.get_job(job_id)

@@ -15,14 +15,14 @@ import typer
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from controlplane.cli.render import console, err_console, print_json
-from controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
-from controlplane.errors import FleetError, Interrupted, JobFailedError
-from controlplane.lifecycle import JobState
+from fleet.controlplane.cli.render import console, err_console, print_json
+from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
+from fleet.controlplane.errors import FleetError, Interrupted, JobFailedError
+from fleet.controlplane.lifecycle import JobState
 
 if TYPE_CHECKING:
-    from controlplane.controller import Progress as JobProgress
-    from controlplane.store import Store
+    from fleet.controlplane.controller import Progress as JobProgress
+    from fleet.controlplane.store import Store
 
 
 def _setup_logging(state_dir: Path, verbose: bool) -> Path:
@@ -53,8 +53,8 @@ def up(
 ) -> None:
     """Run the job described in a cluster.yaml until it succeeds, fails for good, or is stopped."""
     # imported here: the other commands need no controller, and start faster without it
-    from controlplane.controller import Controller
-    from controlplane.store import Store
+    from fleet.controlplane.controller import Controller
+    from fleet.controlplane.store import Store
 
     config = load_cluster_config(cluster)
     state_dir = Path(config.state_dir)

@@ -2,7 +2,7 @@
 
 Pure Python (no torch, Ray or gRPC), so `fleet replay --dumps` runs anywhere, fast.
 
-    >>> from controlplane.diagnosis import analyze_dumps
+    >>> from fleet.controlplane.diagnosis import analyze_dumps
     >>> d = analyze_dumps("/tmp/fr")            # a folder of native dumps, one per rank
     >>> d.verdict, d.culprit_ranks               # e.g. ("hang", [2])
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 
-from controlplane.diagnosis.dumps import load_traces
-from controlplane.diagnosis.engine import (
+from fleet.controlplane.diagnosis.dumps import load_traces
+from fleet.controlplane.diagnosis.engine import (
     Diagnosis,
     DiagnosisConfig,
     Finding,
@@ -20,7 +20,7 @@ from controlplane.diagnosis.engine import (
     Wavefront,
     diagnose,
 )
-from controlplane.diagnosis.traces import SignatureTable, TraceBuilder, TraceSet
+from fleet.controlplane.diagnosis.traces import SignatureTable, TraceBuilder, TraceSet
 
 __all__ = [
     "Diagnosis", "DiagnosisConfig", "Finding", "GroupInfo", "SignatureTable", "TraceBuilder",

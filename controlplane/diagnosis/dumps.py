@@ -34,14 +34,14 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from controlplane.diagnosis.traces import (
+from fleet.controlplane.diagnosis.traces import (
     RankTrace,
     SignatureTable,
     TraceBuilder,
     TraceSet,
     normalize_op,
 )
-from controlplane.errors import DumpError
+from fleet.controlplane.errors import DumpError
 
 #: Format major versions this reader understands (torch 2.x writes "2.<minor>").
 SUPPORTED_MAJOR = 2

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any
 
-from controlplane.diagnosis.traces import GroupOps, Signature, TraceSet
+from fleet.controlplane.diagnosis.traces import GroupOps, Signature, TraceSet
 
 MISMATCH_KINDS = frozenset({"op_mismatch", "size_mismatch", "dtype_mismatch", "extra"})
 HANG_KINDS = frozenset({"missing", "p2p_unmatched", "no_trace", "cycle"})

@@ -15,8 +15,8 @@ from collections import defaultdict
 from collections.abc import Collection
 from typing import Any
 
-from controlplane.diagnosis.engine import Diagnosis
-from controlplane.diagnosis.traces import TraceSet
+from fleet.controlplane.diagnosis.engine import Diagnosis
+from fleet.controlplane.diagnosis.traces import TraceSet
 
 PID = 1
 

@@ -3,7 +3,7 @@
 SQLAlchemy engines, sessions and ORM objects never leave this package.
 """
 
-from controlplane.store.records import (
+from fleet.controlplane.store.records import (
     ActionRecord,
     AttemptRecord,
     CheckpointRecord,
@@ -22,7 +22,7 @@ from controlplane.store.records import (
     TransitionRecord,
     WorkerStatusRecord,
 )
-from controlplane.store.store import NODE_QUARANTINED, Store
+from fleet.controlplane.store.store import NODE_QUARANTINED, Store
 
 __all__ = [
     "NODE_QUARANTINED",

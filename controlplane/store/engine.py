@@ -21,7 +21,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
 
-from controlplane.errors import ConfigError
+from fleet.controlplane.errors import ConfigError
 
 BUSY_TIMEOUT_S = 30.0
 WRITE_OPTION = "fleet_write"

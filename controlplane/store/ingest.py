@@ -8,7 +8,7 @@ Ingest runs in two steps so that the expensive one can run off the writer thread
 Collectives are the volume (tens of thousands per second per controller). They arrive as
 ``CollectiveColumns`` blocks, column by column, and become rows with ``zip`` over the
 columns: no per-row Python code on the controller. Single ``CollectiveEvent``s are
-packed into a block first (``fleet_proto.columns``), so both take the same path.
+packed into a block first (``fleet.proto.columns``), so both take the same path.
 Rows go to the database through the DBAPI cursor with one ``INSERT ... ON CONFLICT``
 statement: ``executemany`` on SQLite, which is the cost of a raw ``executemany``; on
 PostgreSQL ``COPY`` into a staging table, then one ``INSERT ... SELECT``.
@@ -39,9 +39,9 @@ from sqlalchemy import insert, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from controlplane.errors import FleetError
-from controlplane.store.engine import upsert
-from controlplane.store.schema import (
+from fleet.controlplane.errors import FleetError
+from fleet.controlplane.store.engine import upsert
+from fleet.controlplane.store.schema import (
     JOB_ID_LEN,
     NAME_LEN,
     Attempt,
@@ -51,7 +51,7 @@ from controlplane.store.schema import (
     WorkerStatusRow,
     metadata,
 )
-from fleet_proto import columns, events_pb2
+from fleet.proto import columns, events_pb2
 
 _STATUS_NAMES = events_pb2.WorkerStatus.State
 _RESTORED = events_pb2.WorkerStatus.RESTORED

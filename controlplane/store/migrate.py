@@ -32,8 +32,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, inspect, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from controlplane.errors import ConfigError, FleetError, UnavailableError
-from controlplane.store.engine import BUSY_TIMEOUT_S, WRITE_OPTION, make_engine
+from fleet.controlplane.errors import ConfigError, FleetError, UnavailableError
+from fleet.controlplane.store.engine import BUSY_TIMEOUT_S, WRITE_OPTION, make_engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 VERSION_TABLE = "alembic_version"

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.lifecycle import AttemptState, JobState
+from fleet.controlplane.lifecycle import AttemptState, JobState
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ from sqlalchemy import case, func, select, update
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from controlplane.errors import FleetError, NotFoundError, StateError, UnavailableError
-from controlplane.lifecycle import AttemptState, JobState, check_transition
-from controlplane.store import ingest, migrate
-from controlplane.store.engine import make_engine, redact, upsert
-from controlplane.store.records import (
+from fleet.controlplane.errors import FleetError, NotFoundError, StateError, UnavailableError
+from fleet.controlplane.lifecycle import AttemptState, JobState, check_transition
+from fleet.controlplane.store import ingest, migrate
+from fleet.controlplane.store.engine import make_engine, redact, upsert
+from fleet.controlplane.store.records import (
     ActionRecord,
     AttemptRecord,
     CheckpointRecord,
@@ -52,7 +52,7 @@ from controlplane.store.records import (
     TransitionRecord,
     WorkerStatusRecord,
 )
-from controlplane.store.schema import (
+from fleet.controlplane.store.schema import (
     Action,
     Attempt,
     Checkpoint,
@@ -71,7 +71,7 @@ from controlplane.store.schema import (
     Transition,
     WorkerStatusRow,
 )
-from fleet_proto import events_pb2
+from fleet.proto import events_pb2
 
 ACTION_KINDS = frozenset({"restart", "quarantine", "release", "rollback", "stop", "inject_fault",
                           "restart_agent", "shrink"})

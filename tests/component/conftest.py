@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from agent.tls import TlsFiles
-from controlplane.agent_server import AgentRegistry, AgentServicer
-from controlplane.control_server import ControlServicer
-from controlplane.errors import NotFoundError
-from controlplane.grpc_server import ControllerServer
-from controlplane.store import Store
-from fleet_proto import control_pb2, events_pb2
+from fleet.agent.tls import TlsFiles
+from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
+from fleet.controlplane.control_server import ControlServicer
+from fleet.controlplane.errors import NotFoundError
+from fleet.controlplane.grpc_server import ControllerServer
+from fleet.controlplane.store import Store
+from fleet.proto import control_pb2, events_pb2
 
 TOKEN = "test-token-0123456789"
 

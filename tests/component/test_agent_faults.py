@@ -23,13 +23,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.node_agent import NodeAgent
-from controlplane.agent_server import AgentRegistry
-from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.agent.node_agent import NodeAgent
+from fleet.controlplane.agent_server import AgentRegistry
+from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests.component.conftest import TOKEN, start_server
 from tests.component.test_uplink_delivery import _job, _steps
-from workers.reporter import Reporter
-from workers.spec import WorkerSpec
+from fleet.workers.reporter import Reporter
+from fleet.workers.spec import WorkerSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -236,7 +236,7 @@ def test_agent_down_calls_die_and_reaches_no_worker(controller, tmp_path: Path) 
 
 _AGENT_PROCESS = """
 import logging, sys
-from agent.node_agent import NodeAgent
+from fleet.agent.node_agent import NodeAgent
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 controller, token, port, spill = sys.argv[1:5]
 agent = NodeAgent(node_name="node-0", controller_address=controller, token=token,

@@ -9,10 +9,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent.node_agent import NodeAgent
-from controlplane.agent_server import AgentRegistry
-from controlplane.lifecycle import JobState
-from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.agent.node_agent import NodeAgent
+from fleet.controlplane.agent_server import AgentRegistry
+from fleet.controlplane.lifecycle import JobState
+from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests.component.conftest import TOKEN, start_server
 
 pytestmark = pytest.mark.timeout(120)

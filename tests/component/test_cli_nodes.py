@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from controlplane.cli.main import main
-from controlplane.errors import ConfigError, NotFoundError
-from controlplane.store import Store
+from fleet.controlplane.cli.main import main
+from fleet.controlplane.errors import ConfigError, NotFoundError
+from fleet.controlplane.store import Store
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.client import ControlClient
-from controlplane.errors import AuthError, ConfigError, NotFoundError, UnavailableError
-from controlplane.lifecycle import JobState
+from fleet.controlplane.client import ControlClient
+from fleet.controlplane.errors import AuthError, ConfigError, NotFoundError, UnavailableError
+from fleet.controlplane.lifecycle import JobState
 from tests.component.conftest import TOKEN
 
 pytestmark = pytest.mark.timeout(60)

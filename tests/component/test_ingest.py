@@ -18,20 +18,20 @@ import grpc
 import pytest
 from sqlalchemy import create_engine, text
 
-from agent.node_agent import NodeAgent
-from agent.uplink import Uplink
-from controlplane.agent_server import AgentRegistry
-from controlplane.cli.main import main
-from controlplane.lifecycle import JobState
-from controlplane.store import Store
-from controlplane.store.ingest import COLLECTIVE_COLUMNS, InvalidBatch, prepare
-from controlplane.store.schema import Collective
-from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.agent.node_agent import NodeAgent
+from fleet.agent.uplink import Uplink
+from fleet.controlplane.agent_server import AgentRegistry
+from fleet.controlplane.cli.main import main
+from fleet.controlplane.lifecycle import JobState
+from fleet.controlplane.store import Store
+from fleet.controlplane.store.ingest import COLLECTIVE_COLUMNS, InvalidBatch, prepare
+from fleet.controlplane.store.schema import Collective
+from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests import ingest_controller
 from tests.component.conftest import TOKEN, start_server
-from workers.reporter import Reporter
-from workers.spec import WorkerSpec
-from fleet_proto import columns
+from fleet.workers.reporter import Reporter
+from fleet.workers.spec import WorkerSpec
+from fleet.proto import columns
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]

@@ -19,11 +19,11 @@ from alembic.migration import MigrationContext
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 
-from controlplane.cli.main import main
-from controlplane.errors import ConfigError, FleetError, UnavailableError
-from controlplane.store import Store, migrate
-from controlplane.store.engine import make_engine
-from controlplane.store.schema import metadata
+from fleet.controlplane.cli.main import main
+from fleet.controlplane.errors import ConfigError, FleetError, UnavailableError
+from fleet.controlplane.store import Store, migrate
+from fleet.controlplane.store.engine import make_engine
+from fleet.controlplane.store.schema import metadata
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -183,7 +183,7 @@ def test_concurrent_first_opens_from_processes(store_url: str, tmp_path: Path) -
     go = tmp_path / "go"
     script = (
         "import sys, time, pathlib\n"
-        "from controlplane.store import Store\n"
+        "from fleet.controlplane.store import Store\n"
         "go = pathlib.Path(sys.argv[2]); pathlib.Path(sys.argv[3]).touch()\n"
         "deadline = time.monotonic() + 60\n"
         "while not go.exists() and time.monotonic() < deadline: time.sleep(0.005)\n"

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.errors import ConfigError, FleetError, NotFoundError, StateError
-from controlplane.lifecycle import AttemptState, JobState
-from controlplane.store import RecoveryRecord, Store
-from fleet_proto import events_pb2 as pb
+from fleet.controlplane.errors import ConfigError, FleetError, NotFoundError, StateError
+from fleet.controlplane.lifecycle import AttemptState, JobState
+from fleet.controlplane.store import RecoveryRecord, Store
+from fleet.proto import events_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 

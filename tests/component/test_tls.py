@@ -16,16 +16,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent.node_agent import NodeAgent
-from agent.tls import TlsFileError, TlsFiles, channel_credentials
-from controlplane import auth
-from controlplane.agent_server import AgentRegistry, AgentServicer
-from controlplane.client import ControlClient
-from controlplane.control_server import ControlServicer
-from controlplane.errors import ConfigError, UnavailableError
-from controlplane.grpc_server import ControllerServer
-from controlplane.lifecycle import JobState
-from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.agent.node_agent import NodeAgent
+from fleet.agent.tls import TlsFileError, TlsFiles, channel_credentials
+from fleet.controlplane import auth
+from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
+from fleet.controlplane.client import ControlClient
+from fleet.controlplane.control_server import ControlServicer
+from fleet.controlplane.errors import ConfigError, UnavailableError
+from fleet.controlplane.grpc_server import ControllerServer
+from fleet.controlplane.lifecycle import JobState
+from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests.component.conftest import TOKEN, StoreJobControl, start_server
 
 pytestmark = pytest.mark.timeout(120)

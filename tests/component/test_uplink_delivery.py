@@ -26,12 +26,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.node_agent import NodeAgent
-from agent.spool import Spool
-from agent.uplink import Uplink
-from controlplane.agent_server import AgentRegistry
-from controlplane.lifecycle import JobState
-from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.agent.node_agent import NodeAgent
+from fleet.agent.spool import Spool
+from fleet.agent.uplink import Uplink
+from fleet.controlplane.agent_server import AgentRegistry
+from fleet.controlplane.lifecycle import JobState
+from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests.component.conftest import TOKEN, start_server
 
 pytestmark = pytest.mark.timeout(120)

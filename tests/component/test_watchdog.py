@@ -13,17 +13,17 @@ import time
 import grpc
 import pytest
 
-from agent.node_agent import NodeAgent
-from controlplane.agent_server import AgentRegistry, AgentServicer
-from controlplane.config import DetectConfig
-from controlplane.control_server import ControlServicer
-from controlplane.detectors import Incident
-from controlplane.grpc_server import ControllerServer
-from controlplane.lifecycle import JobState
-from controlplane.store import Store
-from controlplane.store.ingest import prepare
-from controlplane.watchdog import Watchdog
-from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.agent.node_agent import NodeAgent
+from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
+from fleet.controlplane.config import DetectConfig
+from fleet.controlplane.control_server import ControlServicer
+from fleet.controlplane.detectors import Incident
+from fleet.controlplane.grpc_server import ControllerServer
+from fleet.controlplane.lifecycle import JobState
+from fleet.controlplane.store import Store
+from fleet.controlplane.store.ingest import prepare
+from fleet.controlplane.watchdog import Watchdog
+from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests.component.conftest import TOKEN, StoreJobControl
 
 pytestmark = pytest.mark.timeout(120)
@@ -370,9 +370,9 @@ def test_a_failing_observer_does_not_break_ingest(store: Store, job: str) -> Non
 # -- the bounded live diagnosis ----------------------------------------------------------------
 
 def test_recent_collectives_are_a_bounded_window_with_the_laggards_last_entry(store: Store, job: str) -> None:
-    from controlplane.diagnosis import diagnose
-    from controlplane.replay import diagnose_attempt
-    from controlplane.watchdog import recent_traces
+    from fleet.controlplane.diagnosis import diagnose
+    from fleet.controlplane.replay import diagnose_attempt
+    from fleet.controlplane.watchdog import recent_traces
 
     feed = Feed(store, Watchdog(store, job, CFG, Incidents()))  # never started: observes nothing
     feed.send([group_ev(job, r) for r in WORLD])

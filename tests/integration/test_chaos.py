@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controlplane.lifecycle import JobState
+from fleet.controlplane.lifecycle import JobState
 from tests.integration.test_fleet_up import FLEET, FleetUp, controller_job, store_of, write_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]

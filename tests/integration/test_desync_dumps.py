@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.diagnosis import analyze_dumps
+from fleet.controlplane.diagnosis import analyze_dumps
 from tests.desync_scenarios import CASES, DUMP_PREFIX, Scenario, generate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-FLEET = [sys.executable, "-m", "controlplane.cli.main"]
+FLEET = [sys.executable, "-m", "fleet.controlplane.cli.main"]
 REPO = Path(__file__).resolve().parents[2]
 JSON_KEYS = {"source", "attempt", "verdict", "culprit_ranks", "findings", "missing_ranks", "wavefront"}
 

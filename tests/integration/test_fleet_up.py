@@ -14,12 +14,12 @@ import psutil
 import pytest
 import yaml
 
-from controlplane.lifecycle import AttemptState, JobState
-from controlplane.store import Store
+from fleet.controlplane.lifecycle import AttemptState, JobState
+from fleet.controlplane.store import Store
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-FLEET = [sys.executable, "-m", "controlplane.cli.main"]
+FLEET = [sys.executable, "-m", "fleet.controlplane.cli.main"]
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -8,14 +8,14 @@ import threading
 
 import pytest
 
-from fleet_proto import events_pb2
+from fleet.proto import events_pb2
 import torch
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane import chaos
-from controlplane.chaos import (
+from fleet.controlplane import chaos
+from fleet.controlplane.chaos import (
     AGENT_KINDS,
     CONTROLLER_KINDS,
     FAULT_KINDS,
@@ -26,11 +26,11 @@ from controlplane.chaos import (
     corrupt_checkpoint,
     validate_order,
 )
-from controlplane.cli.main import main
-from controlplane.config import ChaosConfig, ChaosFault, ClusterConfig, load_cluster_config, parse_cluster_yaml
-from controlplane.errors import ConfigError, NotFoundError, StateError
+from fleet.controlplane.cli.main import main
+from fleet.controlplane.config import ChaosConfig, ChaosFault, ClusterConfig, load_cluster_config, parse_cluster_yaml
+from fleet.controlplane.errors import ConfigError, NotFoundError, StateError
 from tests.unit.test_config import FUZZ, REPO, SRC, _VALUES
-from workers import checkpoint
+from fleet.workers import checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -277,7 +277,7 @@ def test_the_thread_survives_a_failing_fire():
 def _save_two_checkpoints(rank: int, world_size: int, ckpt_dir: str) -> None:
     """Inside a one-rank gloo group: commit checkpoints of steps 5 and 10."""
     from tests.unit.test_workers_parallel import StandInMoE
-    from workers.recorder import FlightRecorder
+    from fleet.workers.recorder import FlightRecorder
 
     rec = FlightRecorder("job", 0, rank, lambda event: None)
     model = StandInMoE(vocab=64, n_layers=1, seed=0)
@@ -313,7 +313,7 @@ def test_corrupt_checkpoint_damages_the_newest_valid_one(tmp_path):
 def test_rank_0_corrupts_the_newest_checkpoint_at_exactly_the_armed_step(tmp_path):
     from tests.unit.test_workers_parallel import in_pg
     from tests.unit.test_workers_support import run_ranks
-    from workers.faults import FaultHooks
+    from fleet.workers.faults import FaultHooks
 
     run_ranks(in_pg, 1, (_save_two_checkpoints, str(tmp_path)), timeout_s=50)
     hooks = FaultHooks(0, checkpoint_dir=str(tmp_path))
@@ -494,7 +494,7 @@ class _FakeClient:
         return None
 
     def inject_fault(self, *args, **kwargs):
-        from fleet_proto import control_pb2
+        from fleet.proto import control_pb2
 
         self.calls.append((args, kwargs))
         ranks = [kwargs["rank"]] if kwargs["rank"] >= 0 else []
@@ -517,7 +517,7 @@ class _FakeClient:
     ],
 )
 def test_cli_passes_every_field_to_the_client(capsys, monkeypatch, argv, kwargs, printed):
-    from controlplane.client import ControlClient
+    from fleet.controlplane.client import ControlClient
 
     _FakeClient.calls = []
     monkeypatch.setattr(ControlClient, "from_state_dir", classmethod(lambda cls, *a: _FakeClient()))
@@ -529,7 +529,7 @@ def test_cli_passes_every_field_to_the_client(capsys, monkeypatch, argv, kwargs,
 
 
 def test_client_puts_after_and_delay_in_the_fault_spec(monkeypatch):
-    from controlplane.client import ControlClient
+    from fleet.controlplane.client import ControlClient
 
     sent = []
     client = ControlClient("127.0.0.1:1", "token")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.cli.main import main
-from controlplane.errors import ConfigError, NotFoundError, UnavailableError
-from controlplane.store import Store
+from fleet.controlplane.cli.main import main
+from fleet.controlplane.errors import ConfigError, NotFoundError, UnavailableError
+from fleet.controlplane.store import Store
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,13 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from controlplane.config import (
+from fleet.controlplane.config import (
     DEFAULT_CLUSTER_FILE,
     ClusterConfig,
     load_cluster_config,
     parse_cluster_yaml,
 )
-from controlplane.errors import ConfigError
+from fleet.controlplane.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -284,7 +284,7 @@ def _section(model: type[BaseModel], nested: dict[str, st.SearchStrategy] | None
 
 
 def _cluster_dicts():
-    from controlplane.config import (
+    from fleet.controlplane.config import (
         AgentConfig,
         ControllerConfig,
         JobConfig,
@@ -493,8 +493,8 @@ def test_tls_file_that_is_a_folder_is_rejected(tmp_path: Path) -> None:
 
 
 def test_min_nodes_must_fit_the_job_and_its_expert_parallelism() -> None:
-    from controlplane.config import parse_cluster_yaml
-    from controlplane.errors import ConfigError
+    from fleet.controlplane.config import parse_cluster_yaml
+    from fleet.controlplane.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"min_nodes \(3\) must be <= nodes \(2\)"):
         parse_cluster_yaml("job: {nodes: 2, min_nodes: 3}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from controlplane.detectors import Incident, RestartDecision, attribute_failures, decide_restart
+from fleet.controlplane.detectors import Incident, RestartDecision, attribute_failures, decide_restart
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -113,7 +113,7 @@ def test_over_budget_still_gives_up() -> None:
 
 
 def test_trace_verdict_names_the_culprit_when_nobody_died() -> None:
-    from controlplane.detectors import attribute_with_trace
+    from fleet.controlplane.detectors import attribute_with_trace
 
     raised = Incident("error", "crash", 0, "node-0", "rank 0 raised: timed out")
     nodes = ["node-0", "node-0", "node-1", "node-1"]
@@ -134,7 +134,7 @@ NAN_MSG = "RuntimeError: non-finite loss at step 42 on rank(s) [2, 3]"
 
 
 def test_nonfinite_loss_names_the_first_listed_rank_and_its_node() -> None:
-    from controlplane.detectors import parse_nonfinite_loss
+    from fleet.controlplane.detectors import parse_nonfinite_loss
 
     assert parse_nonfinite_loss(NAN_MSG) == (42, [2, 3])
     assert parse_nonfinite_loss("ValueError: loss is nan") is None
@@ -170,7 +170,7 @@ def test_nan_in_the_text_without_the_marker_stays_an_error() -> None:
 # -- hangs ------------------------------------------------------------------------------------
 
 def test_hang_threshold_is_a_multiple_of_the_median_with_a_floor() -> None:
-    from controlplane.detectors import hang_threshold_s
+    from fleet.controlplane.detectors import hang_threshold_s
 
     assert hang_threshold_s([0.5, 0.6, 0.4, 9.0], 3.0, 1.0) == pytest.approx(1.65)  # median 0.55
     assert hang_threshold_s([0.1, 0.1, 0.2], 3.0, 1.0) == 1.0                        # the floor
@@ -185,7 +185,7 @@ HANG_SUMMARY = "hang: culprit rank 1. rank 1 never entered collective 57 (all_ga
 
 
 def test_normal_skew_is_not_a_hang() -> None:
-    from controlplane.detectors import decide_hang
+    from fleet.controlplane.detectors import decide_hang
 
     # below the threshold nothing counts, not even a hang verdict
     assert decide_hang(0.9, 1.0, 10.0, "hang", [1], HANG_SUMMARY, PROGRESS, NODES4) is None
@@ -197,7 +197,7 @@ def test_normal_skew_is_not_a_hang() -> None:
 
 
 def test_confirmed_hang_names_the_rank_the_others_wait_for() -> None:
-    from controlplane.detectors import decide_hang
+    from fleet.controlplane.detectors import decide_hang
 
     inc = decide_hang(2.0, 1.5, 10.0, "hang", [1], HANG_SUMMARY, PROGRESS, NODES4)
     assert inc == Incident(
@@ -208,7 +208,7 @@ def test_confirmed_hang_names_the_rank_the_others_wait_for() -> None:
 
 
 def test_unconfirmed_hang_blames_the_oldest_progress_after_the_grace() -> None:
-    from controlplane.detectors import decide_hang
+    from fleet.controlplane.detectors import decide_hang
 
     assert decide_hang(11.0, 1.5, 10.0, "ok", [], "ok", PROGRESS, NODES4) is None  # 11.0 <= 1.5 + 10
     inc = decide_hang(11.6, 1.5, 10.0, "ok", [], "ok", PROGRESS, NODES4)
@@ -226,7 +226,7 @@ def test_unconfirmed_hang_blames_the_oldest_progress_after_the_grace() -> None:
 
 
 def test_a_rank_that_never_progressed_is_the_oldest() -> None:
-    from controlplane.detectors import decide_hang, oldest_rank
+    from fleet.controlplane.detectors import decide_hang, oldest_rank
 
     progress = {0: (4, 2.0), 1: (0, math.inf), 2: (4, 2.5)}
     assert oldest_rank(progress) == 1
@@ -237,7 +237,7 @@ def test_a_rank_that_never_progressed_is_the_oldest() -> None:
 
 
 def test_startup_timeout() -> None:
-    from controlplane.detectors import startup_hang
+    from fleet.controlplane.detectors import startup_hang
 
     assert startup_hang(299.0, 300.0, "hang", [2], "hang: culprit rank 2.", NODES4) is None
     inc = startup_hang(301.0, 300.0, "hang", [2], "hang: culprit rank 2.", NODES4)
@@ -256,7 +256,7 @@ S = 1_000_000_000  # ns per second
 
 
 def test_collective_laggard_is_late_against_the_median_of_the_others() -> None:
-    from controlplane.detectors import collective_laggard
+    from fleet.controlplane.detectors import collective_laggard
 
     assert collective_laggard({0: 10 * S, 1: 10 * S + S // 10, 2: 11 * S, 3: 10 * S + S // 5}) == (2, 0.9)
     assert collective_laggard({0: 5 * S, 1: 5 * S}) == (0, 0.0)  # a tie names the lowest rank
@@ -264,7 +264,7 @@ def test_collective_laggard_is_late_against_the_median_of_the_others() -> None:
 
 
 def test_step_laggard_takes_the_latest_arrival_over_the_limit() -> None:
-    from controlplane.detectors import step_laggard
+    from fleet.controlplane.detectors import step_laggard
 
     step = [
         {0: 0, 1: S // 10, 2: 2 * S // 10, 3: 0},      # normal skew: rank 2, 0.15 s
@@ -276,7 +276,7 @@ def test_step_laggard_takes_the_latest_arrival_over_the_limit() -> None:
 
 
 def test_straggler_needs_the_same_rank_in_consecutive_steps() -> None:
-    from controlplane.detectors import detect_straggler
+    from fleet.controlplane.detectors import detect_straggler
 
     late = [(s, 3, 0.6 if s % 2 else 0.9) for s in range(10, 20)]
     inc = detect_straggler(late, 10, NODES4)
@@ -294,7 +294,7 @@ def test_straggler_needs_the_same_rank_in_consecutive_steps() -> None:
 
 
 def test_a_one_off_slow_step_is_not_a_straggler() -> None:
-    from controlplane.detectors import detect_straggler
+    from fleet.controlplane.detectors import detect_straggler
 
     history = [None] * 9 + [(9, 2, 5.0)]
     assert detect_straggler(history, 10, NODES4) is None
@@ -304,7 +304,7 @@ def test_a_one_off_slow_step_is_not_a_straggler() -> None:
 # -- losses -----------------------------------------------------------------------------------
 
 def test_loss_spike_against_the_median_of_the_window() -> None:
-    from controlplane.detectors import loss_spike, loss_spike_incident
+    from fleet.controlplane.detectors import loss_spike, loss_spike_incident
 
     recent = [3.0, 2.9, 2.8, 2.7, 2.6]
     assert loss_spike(recent, 14.1, 5.0, 5)        # > 5 x 2.8
@@ -317,7 +317,7 @@ def test_loss_spike_against_the_median_of_the_window() -> None:
 
 
 def test_fewer_than_window_finite_losses_never_spike() -> None:
-    from controlplane.detectors import loss_spike
+    from fleet.controlplane.detectors import loss_spike
 
     assert not loss_spike([1.0, 1.0, 1.0, 1.0], 1000.0, 5.0, 5)
     nan, inf = float("nan"), float("inf")
@@ -332,7 +332,7 @@ def test_fewer_than_window_finite_losses_never_spike() -> None:
 # -- agents -----------------------------------------------------------------------------------
 
 def test_agents_lost_past_the_timeout() -> None:
-    from controlplane.detectors import agent_loss_incident, agents_lost
+    from fleet.controlplane.detectors import agent_loss_incident, agents_lost
 
     assert agents_lost({"node-1": 10.5, "node-0": 0.3, "node-2": 10.0, "node-3": 99.0}, 10.0) == ["node-1", "node-3"]
     assert agents_lost({}, 10.0) == []
@@ -347,14 +347,14 @@ def test_agents_lost_past_the_timeout() -> None:
 def test_nonfinite_loss_inside_a_ray_task_error() -> None:
     error = ("ray.exceptions.RayTaskError(NonFiniteLossError): ray::RankActor.run() (pid=41, ip=127.0.0.1)\n"
              "  File \"workers/trainer.py\", line 287, in step\n"
-             "workers.trainer.NonFiniteLossError: non-finite loss at step 12 on rank(s) [3]")
+             "fleet.workers.trainer.NonFiniteLossError: non-finite loss at step 12 on rank(s) [3]")
     inc = attribute_failures([Failure(0, "node-0", False, error)], nodes=NODES4)
     assert inc is not None and (inc.kind, inc.rank, inc.node) == ("nan", 3, "node-1")
 
 
 def test_detect_config_defaults_and_ordering() -> None:
-    from controlplane.config import DetectConfig, parse_cluster_yaml
-    from controlplane.errors import ConfigError
+    from fleet.controlplane.config import DetectConfig, parse_cluster_yaml
+    from fleet.controlplane.errors import ConfigError
 
     d = parse_cluster_yaml("{}").detect
     assert (d.interval_s, d.hang_factor, d.hang_floor_s, d.unconfirmed_hang_s, d.startup_timeout_s) == (

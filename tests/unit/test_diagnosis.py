@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from controlplane.diagnosis import DiagnosisConfig, SignatureTable, TraceBuilder, TraceSet, diagnose
+from fleet.controlplane.diagnosis import DiagnosisConfig, SignatureTable, TraceBuilder, TraceSet, diagnose
 
 F32, F64 = "float32", "float64"
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.cli.main import main as cli
-from controlplane.diagnosis import analyze_dumps, load_traces
-from controlplane.errors import DumpError
+from fleet.controlplane.cli.main import main as cli
+from fleet.controlplane.diagnosis import analyze_dumps, load_traces
+from fleet.controlplane.errors import DumpError
 
 
 def entry(rid, seq, name="all_reduce", size=8, dtype="Float", group=("0", "default_pg"), done=True, t=None):

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers import data
-from workers.fp8 import Float8Linear, convert_to_float8, fallback_counts, float8_linear
-from workers.model import Transformer
-from workers.spec import ModelArgs, TrainArgs
+from fleet.workers import data
+from fleet.workers.fp8 import Float8Linear, convert_to_float8, fallback_counts, float8_linear
+from fleet.workers.model import Transformer
+from fleet.workers.spec import ModelArgs, TrainArgs
 
 pytestmark = pytest.mark.timeout(60)
 

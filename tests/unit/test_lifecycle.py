@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from controlplane.errors import FleetError, StateError
-from controlplane.lifecycle import (
+from fleet.controlplane.errors import FleetError, StateError
+from fleet.controlplane.lifecycle import (
     ATTEMPT_TRANSITIONS,
     JOB_TRANSITIONS,
     AttemptState,

@@ -9,11 +9,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from controlplane.cli.model import model_info
-from controlplane.errors import ConfigError
-from workers.flops import meta_model, embedding_params, flops_per_token, param_counts
-from workers.model import Transformer
-from workers.spec import PRESETS, ModelArgs
+from fleet.controlplane.cli.model import model_info
+from fleet.controlplane.errors import ConfigError
+from fleet.workers.flops import meta_model, embedding_params, flops_per_token, param_counts
+from fleet.workers.model import Transformer
+from fleet.workers.spec import PRESETS, ModelArgs
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workers.model import Transformer
-from workers.moe import MoE
-from workers.spec import ModelArgs
+from fleet.workers.model import Transformer
+from fleet.workers.moe import MoE
+from fleet.workers.spec import ModelArgs
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controlplane.placement import choose_nodes
+from fleet.controlplane.placement import choose_nodes
 
 ALIVE = ["node-0", "node-1", "node-2"]
 

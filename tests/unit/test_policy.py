@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from controlplane.policy import decide_quarantine
+from fleet.controlplane.policy import decide_quarantine
 
 
 @dataclass

@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parents[2]
-STUBS = REPO / "proto" / "fleet_proto"
+STUBS = REPO / "proto" / "fleet" / "proto"
 REGENERATE = "stubs are stale: run `python scripts/gen_proto.py` and commit the result"
 
 
@@ -37,9 +37,9 @@ def _committed_stubs() -> dict[str, bytes]:
 def test_committed_stubs_match_regenerated(tmp_path: Path) -> None:
     written = _gen_proto_module().generate(tmp_path)
     fresh = {p.name: p.read_bytes() for p in written}
-    assert all(p.parent == tmp_path / "fleet_proto" for p in written)
+    assert all(p.parent == tmp_path / "fleet" / "proto" for p in written)
     protos = sorted(p.stem for p in STUBS.glob("*.proto"))
-    assert protos, "no .proto files under proto/fleet_proto"
+    assert protos, "no .proto files under proto/fleet/proto"
     assert len(fresh) == 3 * len(protos)
     committed = _committed_stubs()
     assert sorted(committed) == sorted(fresh), f"{REGENERATE} (file sets differ)"
@@ -89,13 +89,13 @@ def test_proto_in_process_is_not_our_stubs() -> None:
     if file is not None:
         assert not Path(file).resolve().is_relative_to(REPO), file
     # a namespace package made of the checkout's proto/ folder (cwd on sys.path) has no
-    # stubs of its own: they live only in proto/fleet_proto/
+    # stubs of its own: they live only in proto/fleet/proto/
     assert not hasattr(proto, "agent_pb2")
     assert not hasattr(proto, "AgentService")
 
 
 def test_fleet_proto_agent_services() -> None:
-    from fleet_proto import agent_pb2, agent_pb2_grpc
+    from fleet.proto import agent_pb2, agent_pb2_grpc
 
     assert Path(agent_pb2.__file__).resolve().parent == STUBS.resolve()
     services = set(agent_pb2.DESCRIPTOR.services_by_name)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from controlplane.lifecycle import AttemptState, JobState
-from controlplane.report import job_report
-from controlplane.store import (
+from fleet.controlplane.lifecycle import AttemptState, JobState
+from fleet.controlplane.report import job_report
+from fleet.controlplane.store import (
     ActionRecord,
     AttemptRecord,
     CheckpointRecord,
@@ -74,7 +74,7 @@ def test_an_attempt_that_fails_before_its_first_step() -> None:
 
 
 def test_recovery_phases_attach_to_the_incident_that_ended_the_attempt() -> None:
-    from controlplane.store import RecoveryRecord
+    from fleet.controlplane.store import RecoveryRecord
 
     job = JobRecord(id="j", name="demo", state=JobState.SUCCEEDED, total_steps=20, steps_completed=20,
                     attempts=2, created_at=1000.0, ended_at=1030.0, reason="", config_json="{}")

@@ -17,9 +17,9 @@ from torch.distributed.tensor import DTensor
 
 from tests.unit.test_workers_parallel import StandInMoE, in_pg
 from tests.unit.test_workers_support import run_ranks
-from workers import checkpoint, data, parallel
-from workers.recorder import FlightRecorder
-from workers.spec import TrainArgs
+from fleet.workers import checkpoint, data, parallel
+from fleet.workers.recorder import FlightRecorder
+from fleet.workers.spec import TrainArgs
 
 pytestmark = pytest.mark.timeout(90)
 

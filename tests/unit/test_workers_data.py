@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers import data
-from workers.spec import TrainArgs
+from fleet.workers import data
+from fleet.workers.spec import TrainArgs
 
 pytestmark = pytest.mark.timeout(30)
 

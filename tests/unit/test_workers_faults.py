@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from fleet_proto import events_pb2
+from fleet.proto import events_pb2
 from tests.unit.test_workers_support import REPO_ROOT
-from workers.faults import DEFAULT_SLOW_DELAY_S, FAULT_EXIT_CODE, WORKER_KINDS, FaultHooks
+from fleet.workers.faults import DEFAULT_SLOW_DELAY_S, FAULT_EXIT_CODE, WORKER_KINDS, FaultHooks
 
 pytestmark = pytest.mark.timeout(60)
 

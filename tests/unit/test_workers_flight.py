@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fleet_proto import events_pb2
+from fleet.proto import events_pb2
 from tests.unit.test_workers_support import AgentServer, run_ranks
-from workers.flight import FlightRecorderError, record_collectives
-from workers.native_fr import NativeFlightTail
-from workers.rendezvous import loopback_store
+from fleet.workers.flight import FlightRecorderError, record_collectives
+from fleet.workers.native_fr import NativeFlightTail
+from fleet.workers.rendezvous import loopback_store
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -167,7 +167,7 @@ def _tail_rank(rank: int, world_size: int, port: int) -> dict:
     issue(6)
     out["half_full"] = tail.poll()            # 9 of 16 unread: read early
     issue(40)
-    logging.getLogger("workers.native_fr").setLevel(logging.WARNING)
+    logging.getLogger("fleet.workers.native_fr").setLevel(logging.WARNING)
     out["overflow"] = tail.poll(force=True)   # 40 new in a ring of 16: 24 lost
     out["counters"] = tail.counters()
     out["events"] = [e.SerializeToString() for e in events]

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers import data
-from workers.model import AttentionContext, Transformer, positions_in_document
-from workers.moe import MoE
-from workers.spec import ModelArgs, TrainArgs
+from fleet.workers import data
+from fleet.workers.model import AttentionContext, Transformer, positions_in_document
+from fleet.workers.moe import MoE
+from fleet.workers.spec import ModelArgs, TrainArgs
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.unit.test_workers_support import run_ranks
-from workers import parallel
-from workers.rendezvous import loopback_store
+from fleet.workers import parallel
+from fleet.workers.rendezvous import loopback_store
 
 pytestmark = pytest.mark.timeout(120)
 

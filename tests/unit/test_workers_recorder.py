@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fleet_proto import events_pb2
+from fleet.proto import events_pb2
 from tests.unit.test_workers_support import run_ranks
-from workers.native_fr import NativeFlightTail
-from workers.recorder import FlightRecorder
-from workers.rendezvous import loopback_store
+from fleet.workers.native_fr import NativeFlightTail
+from fleet.workers.recorder import FlightRecorder
+from fleet.workers.rendezvous import loopback_store
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fleet_proto import events_pb2
+from fleet.proto import events_pb2
 from tests.unit.test_workers_support import AgentServer, Ranks, free_port, wait_for_gate
-from workers.native_fr import NativeFlightTail
-from workers.recorder import FlightRecorder
-from workers.reporter import Reporter
-from workers.spec import WorkerSpec
-from workers.rendezvous import loopback_store
+from fleet.workers.native_fr import NativeFlightTail
+from fleet.workers.recorder import FlightRecorder
+from fleet.workers.reporter import Reporter
+from fleet.workers.spec import WorkerSpec
+from fleet.workers.rendezvous import loopback_store
 
 pytestmark = pytest.mark.timeout(60)
 

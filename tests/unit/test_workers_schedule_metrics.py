@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from workers.metrics import expert_load, mfu, peak_flops
-from workers.schedule import lr_at
-from workers.spec import TrainArgs
+from fleet.workers.metrics import expert_load, mfu, peak_flops
+from fleet.workers.schedule import lr_at
+from fleet.workers.spec import TrainArgs
 
 
 def test_warmup_is_linear_then_cosine_reaches_the_floor() -> None:

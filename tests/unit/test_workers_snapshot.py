@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.unit.test_workers_support import AgentServer, free_port, run_ranks
-from workers import snapshot, train
-from workers.spec import TrainArgs, WorkerSpec
+from fleet.workers import snapshot, train
+from fleet.workers.spec import TrainArgs, WorkerSpec
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import grpc
 
-from fleet_proto import agent_pb2, agent_pb2_grpc, events_pb2
-from fleet_proto import columns
-from workers.ray_actor import WorkerActor
+from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto import columns
+from fleet.workers.ray_actor import WorkerActor
 
 
 def free_port() -> int:

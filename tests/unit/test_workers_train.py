@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from fleet_proto import events_pb2
+from fleet.proto import events_pb2
 from tests.unit.test_workers_support import AgentServer, run_ranks
-from workers import checkpoint, train
-from workers.faults import FAULT_EXIT_CODE
-from workers.spec import TrainArgs, WorkerSpec
+from fleet.workers import checkpoint, train
+from fleet.workers.faults import FAULT_EXIT_CODE
+from fleet.workers.spec import TrainArgs, WorkerSpec
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -128,7 +128,7 @@ def test_stop_command_stops_all_ranks_after_the_same_step(agent, tmp_path):
 
 
 def test_cli_help_runs():
-    proc = subprocess.run([sys.executable, "-m", "workers.train", "--help"],
+    proc = subprocess.run([sys.executable, "-m", "fleet.workers.train", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--checkpoint-dir" in proc.stdout
 

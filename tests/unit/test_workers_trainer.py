@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fleet_proto import events_pb2
+from fleet.proto import events_pb2
 from tests.unit.test_workers_support import AgentServer, run_ranks
-from workers import checkpoint, train
-from workers.faults import FAULT_EXIT_CODE
-from workers.schedule import lr_at
-from workers.spec import ModelArgs, TrainArgs, WorkerSpec
+from fleet.workers import checkpoint, train
+from fleet.workers.faults import FAULT_EXIT_CODE
+from fleet.workers.schedule import lr_at
+from fleet.workers.spec import ModelArgs, TrainArgs, WorkerSpec
 
 pytestmark = pytest.mark.timeout(180)
 

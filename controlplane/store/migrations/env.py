@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from controlplane.store.schema import metadata
+from fleet.controlplane.store.schema import metadata
 
 
 def run_migrations() -> None:

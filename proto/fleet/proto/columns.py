@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 
-from fleet_proto import events_pb2
+from fleet.proto import events_pb2
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 

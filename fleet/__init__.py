@@ -1,0 +1,31 @@
+"""fleet: a cluster-reliability control plane for large PyTorch training.
+
+Everything fleet installs lives under this one namespace:
+
+- ``fleet.controlplane`` -- the controller, store, detectors, diagnosis and CLI
+  (repository folder ``controlplane/``);
+- ``fleet.agent`` -- the per-node agent (``agent/``);
+- ``fleet.workers`` -- one rank's training process and its reliability hooks (``workers/``);
+- ``fleet.proto`` -- the wire contract and its generated stubs (``proto/fleet/proto/``).
+
+The public API for a training script of your own is :func:`record_collectives` (also
+``fleet.workers.flight.record_collectives``): fleet's flight recorder around a plain
+torchrun script. It is loaded on first use, so ``import fleet`` costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fleet.workers.flight import FlightHandle, record_collectives
+
+__all__ = ["FlightHandle", "record_collectives"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from fleet.workers import flight
+
+        return getattr(flight, name)
+    raise AttributeError(f"module 'fleet' has no attribute {name!r}")
