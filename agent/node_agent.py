@@ -44,6 +44,7 @@ from fleet.agent.host import host_metrics
 from fleet.agent.tls import TlsFiles
 from fleet.agent.uplink import Uplink
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto.kinds import FaultKind
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,6 @@ log = logging.getLogger(__name__)
 WORKER_STALE_S = 5.0
 
 #: Fault kinds addressed to the agent, not to a rank.
-AGENT_DOWN = "agent-down"
-PARTITION = "partition"
 #: How long a partition lasts when its command gives no ``duration_s``, seconds.
 DEFAULT_PARTITION_S = 10.0
 
@@ -233,11 +232,11 @@ class NodeAgent:
     def _on_command(self, cmd: events_pb2.Command) -> None:
         """A command from the controller: a fault for the agent itself is applied now,
         anything else waits for its rank's next report."""
-        kind = cmd.fault.kind if cmd.WhichOneof("kind") == "fault" else ""
-        if kind == AGENT_DOWN:
+        kind = cmd.fault.kind if cmd.WhichOneof("kind") == "fault" else 0
+        if kind == FaultKind.AGENT_DOWN.wire:
             log.warning("%s: agent-down fault (command %s): killing this agent", self.agent_id, cmd.command_id)
             self._die()
-        elif kind == PARTITION:
+        elif kind == FaultKind.PARTITION.wire:
             self._uplink.partition(cmd.fault.duration_s if cmd.fault.duration_s > 0 else DEFAULT_PARTITION_S)
         else:
             self._mailboxes.post(cmd)

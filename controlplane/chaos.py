@@ -29,27 +29,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet.controlplane.errors import ConfigError, NotFoundError, StateError
+from fleet.proto.kinds import Aim, Carrier, FaultKind
 from fleet.workers.faults import DEFAULT_SLOW_DELAY_S
 
 log = logging.getLogger(__name__)
 
-#: Every fault kind, in the order help texts list them.
-FAULT_KINDS: tuple[str, ...] = (
-    "crash", "hang", "slow", "nan", "node-down", "agent-down", "partition", "ckpt-corrupt", "controller-crash",
-)
-RANK_KINDS = frozenset({"crash", "hang", "slow", "nan"})
-AGENT_KINDS = frozenset({"partition", "agent-down"})
-CONTROLLER_KINDS = frozenset({"node-down", "ckpt-corrupt", "controller-crash"})
+#: Every fault kind, in the order help texts list them (the contract's ``FaultKind``).
+FAULT_KINDS: tuple[str, ...] = tuple(k.value for k in FaultKind)
+RANK_KINDS = frozenset(k for k in FaultKind if k.carrier is Carrier.RANK)
+AGENT_KINDS = frozenset(k for k in FaultKind if k.carrier is Carrier.AGENT)
+CONTROLLER_KINDS = frozenset(k for k in FaultKind if k.carrier is Carrier.CONTROLLER)
 #: Kinds a worker times itself when given ``at_step`` (exactly at that step): the rank
 #: kinds, and ``ckpt-corrupt``, which rank 0 carries out at the top of that step.
-WORKER_TIMED = RANK_KINDS | {"ckpt-corrupt"}
+WORKER_TIMED = frozenset(k for k in FaultKind if k.worker_timed)
 
 #: Kinds that aim at a node (given directly, or as the node of a given rank).
-NODE_KINDS = AGENT_KINDS | {"node-down"}
+NODE_KINDS = frozenset(k for k in FaultKind if k.aim is Aim.NODE)
 #: Kinds that aim at the whole job: neither a rank nor a node.
-JOB_KINDS = frozenset({"ckpt-corrupt", "controller-crash"})
+JOB_KINDS = frozenset(k for k in FaultKind if k.aim is Aim.JOB)
 #: Kinds for which ``duration_s`` means something.
-DURATION_KINDS = frozenset({"hang", "slow", "agent-down", "partition", "node-down"})
+DURATION_KINDS = frozenset(k for k in FaultKind if k.has_duration)
 
 #: One line per kind, for --help, errors and the README.
 KIND_HELP: Mapping[str, str] = {
@@ -108,6 +107,16 @@ def check_kind(kind: str, names: Mapping[str, str] = FIELDS) -> str | None:
     if kind in FAULT_KINDS:
         return None
     return f"{names['kind']}: unknown fault kind {kind!r} (choose from {', '.join(FAULT_KINDS)})"
+
+
+def kind_of_wire(number: int) -> str:
+    """The fault kind of a ``FaultSpec.kind`` number; ConfigError naming ``kind`` when it
+    is unspecified or unknown."""
+    try:
+        return FaultKind.from_wire(number).value
+    except ValueError:
+        raise ConfigError(f"kind: unknown fault kind number {number} "
+                          f"(choose from {', '.join(FAULT_KINDS)})") from None
 
 
 def check_order(order: FaultOrder, names: Mapping[str, str] = FIELDS) -> str | None:

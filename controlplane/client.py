@@ -22,6 +22,7 @@ from fleet.controlplane.errors import (
     UnavailableError,
 )
 from fleet.proto import control_pb2, control_pb2_grpc, events_pb2
+from fleet.proto.kinds import FaultKind
 
 _CODES: dict[grpc.StatusCode, type[FleetError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: ConfigError,
@@ -80,7 +81,7 @@ class ControlClient:
         """Ask the controller to inject a fault (see ``controlplane.chaos`` for the kinds)."""
         req = control_pb2.InjectFaultRequest(
             job_id=job_id, rank=rank, node=node,
-            fault=events_pb2.FaultSpec(kind=kind, at_step=at_step, duration_s=duration_s,
+            fault=events_pb2.FaultSpec(kind=_fault_kind(kind).wire, at_step=at_step, duration_s=duration_s,
                                        after_s=after_s, delay_s=delay_s),
         )
         return self._call(self._stub.InjectFault, req)
@@ -96,3 +97,12 @@ class ControlClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _fault_kind(kind: str) -> FaultKind:
+    """``kind`` as the contract's enum; ConfigError naming ``--kind`` when unknown."""
+    try:
+        return FaultKind(kind)
+    except ValueError:
+        known = ", ".join(FaultKind)
+        raise ConfigError(f"--kind: unknown fault kind {kind!r} (choose from {known})") from None

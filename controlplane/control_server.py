@@ -14,13 +14,11 @@ from typing import Protocol, TypeVar
 import grpc
 
 from fleet.controlplane.auth import TOKEN_METADATA_KEY, tokens_equal
-from fleet.controlplane.chaos import FaultOrder, validate_order
+from fleet.controlplane.chaos import FaultOrder, kind_of_wire, validate_order
 from fleet.controlplane.errors import FleetError
 from fleet.proto import control_pb2, control_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
-
-#: Fault kinds the controller accepts today (later issues add slow, nan, node-down, ...).
 
 
 class JobControl(Protocol):
@@ -75,7 +73,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     ) -> control_pb2.InjectFaultReply:
         f = request.fault
         # the same rules as the CLI's (a ConfigError becomes INVALID_ARGUMENT)
-        validate_order(FaultOrder(kind=f.kind, rank=request.rank, node=request.node, at_step=f.at_step,
+        validate_order(FaultOrder(kind=kind_of_wire(f.kind), rank=request.rank, node=request.node, at_step=f.at_step,
                                   after_s=f.after_s, duration_s=f.duration_s, delay_s=f.delay_s))
         return self._control.inject_fault(request.job_id, request.rank, request.node, request.fault)
 

@@ -47,6 +47,7 @@ from fleet.controlplane.replay import diagnose_attempt
 from fleet.controlplane.store import NODE_QUARANTINED, Store
 from fleet.controlplane.watchdog import Watchdog
 from fleet.proto import control_pb2, events_pb2
+from fleet.proto.kinds import FaultKind
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class Controller:
         """Check a fault order and hand it to the chaos scheduler (which fires it now or
         when due: ``_fire``)."""
         self._require_this_job(job_id)
-        order = chaos.FaultOrder(kind=fault.kind, rank=rank, node=node, at_step=fault.at_step,
+        order = chaos.FaultOrder(kind=chaos.kind_of_wire(fault.kind), rank=rank, node=node, at_step=fault.at_step,
                                  after_s=fault.after_s, duration_s=fault.duration_s, delay_s=fault.delay_s)
         chaos.validate_order(order)
         with self._lock:
@@ -207,7 +208,7 @@ class Controller:
         with self._lock:
             attempt, placement, group = self._attempt, list(self._placement), self._group
         node, ranks = self._target(order, placement)
-        spec = events_pb2.FaultSpec(kind=order.kind, at_step=order.at_step, duration_s=order.duration_s,
+        spec = events_pb2.FaultSpec(kind=FaultKind(order.kind).wire, at_step=order.at_step, duration_s=order.duration_s,
                                     delay_s=order.delay_s)
         log.warning("chaos: firing %s", order.describe())
         if order.kind in chaos.WORKER_TIMED and order.at_step > 0:

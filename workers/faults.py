@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fleet.proto import events_pb2
+from fleet.proto.kinds import FaultKind
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +50,7 @@ FAULT_EXIT_CODE = -signal.SIGKILL
 DEFAULT_SLOW_DELAY_S = 0.3
 
 #: Fault kinds a rank acts on itself.
-WORKER_KINDS = frozenset({"crash", "hang", "slow", "nan", "ckpt-corrupt"})
+WORKER_KINDS = frozenset(k for k in FaultKind if k.worker_timed)
 
 
 @dataclass
@@ -108,35 +109,41 @@ class FaultHooks:
             log.warning("rank %d: ignoring command %s with no known kind", self.rank, cmd.command_id)
             return
         fault = cmd.fault
+        try:
+            fault_kind = FaultKind.from_wire(fault.kind)
+        except ValueError:
+            log.warning("rank %d: ignoring command %s with unknown fault kind %d", self.rank, cmd.command_id,
+                        fault.kind)
+            return
         at_step = max(fault.at_step, 0)
         duration_s = max(fault.duration_s, 0.0)
-        if fault.kind == "crash":
+        if fault_kind is FaultKind.CRASH:
             if at_step == 0:
                 self._crash(f"command {cmd.command_id}, immediate")
             with self._lock:
                 # Several crash orders: the earliest step wins.
                 if self._crash_at_step is None or at_step < self._crash_at_step:
                     self._crash_at_step = at_step
-        elif fault.kind == "hang":
+        elif fault_kind is FaultKind.HANG:
             with self._lock:
                 self._hang_at_step, self._hang_s = at_step, duration_s
-        elif fault.kind == "slow":
+        elif fault_kind is FaultKind.SLOW:
             delay_s = fault.delay_s if fault.delay_s > 0 else DEFAULT_SLOW_DELAY_S
             with self._lock:
                 self._slow = _Slowdown(at_step, delay_s, duration_s)
-        elif fault.kind == "nan":
+        elif fault_kind is FaultKind.NAN:
             with self._lock:
                 if self._nan_at_step is None or at_step < self._nan_at_step:
                     self._nan_at_step = at_step
-        elif fault.kind == "ckpt-corrupt" and self.checkpoint_dir:
+        elif fault_kind is FaultKind.CKPT_CORRUPT and self.checkpoint_dir:
             # the controller hands a step-timed corruption to rank 0: exactly at that step
             with self._lock:
                 self._corrupt_at_step = at_step
         else:
             log.warning("rank %d: ignoring fault kind %r, not a rank's to act on (command %s)",
-                        self.rank, fault.kind, cmd.command_id)
+                        self.rank, str(fault_kind), cmd.command_id)
             return
-        log.info("rank %d: %s armed for step %d (command %s)", self.rank, fault.kind, at_step, cmd.command_id)
+        log.info("rank %d: %s armed for step %d (command %s)", self.rank, str(fault_kind), at_step, cmd.command_id)
 
     def before_step(self, step: int) -> None:
         """Fire any fault armed for ``step`` (called by the training loop before each step)."""

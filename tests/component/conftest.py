@@ -15,6 +15,7 @@ from fleet.controlplane.errors import NotFoundError
 from fleet.controlplane.grpc_server import ControllerServer
 from fleet.controlplane.store import Store
 from fleet.proto import control_pb2, events_pb2
+from fleet.proto.kinds import FaultKind
 
 TOKEN = "test-token-0123456789"
 
@@ -37,7 +38,7 @@ class StoreJobControl:
         self.store.get_job(job_id)
         if rank > 3:
             raise NotFoundError(f"rank {rank} does not exist")
-        self.faults.append((job_id, rank, node, fault.kind))
+        self.faults.append((job_id, rank, node, FaultKind.from_wire(fault.kind).value))
         return control_pb2.InjectFaultReply(command_id="c1", attempt=1, ranks=[rank], node=node or "node-0")
 
     def stop_job(self, job_id: str, reason: str) -> str:

@@ -26,6 +26,7 @@ import pytest
 from fleet.agent.node_agent import NodeAgent
 from fleet.controlplane.agent_server import AgentRegistry
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto.kinds import FaultKind
 from tests.component.conftest import TOKEN, start_server
 from tests.component.test_uplink_delivery import _job, _steps
 from fleet.workers.reporter import Reporter
@@ -67,7 +68,7 @@ def _agent(address: str, tmp_path: Path, **kw: object) -> NodeAgent:
 def _fault(job_id: str, attempt: int, kind: str, rank: int = -1, duration_s: float = 0.0,
            command_id: str = "f-1") -> events_pb2.Command:
     return events_pb2.Command(command_id=command_id, job_id=job_id, attempt=attempt, rank=rank,
-                              fault=events_pb2.FaultSpec(kind=kind, duration_s=duration_s))
+                              fault=events_pb2.FaultSpec(kind=FaultKind(kind).wire, duration_s=duration_s))
 
 
 class _Worker:
@@ -113,7 +114,7 @@ def test_partition_silences_the_agent_and_loses_nothing(controller, tmp_path: Pa
         _wait(agent.partitioned, what="the partition to start")
         registry.send("node-0", events_pb2.Command(
             command_id="c-during", job_id=job_id, attempt=attempt, rank=0,
-            fault=events_pb2.FaultSpec(kind="crash", at_step=10_000)))
+            fault=events_pb2.FaultSpec(kind=FaultKind("crash").wire, at_step=10_000)))
         # the worker keeps reporting; the controller hears nothing, commits nothing,
         # and its command does not reach the agent
         commands: list[events_pb2.Command] = []

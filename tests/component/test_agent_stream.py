@@ -13,6 +13,7 @@ from fleet.agent.node_agent import NodeAgent
 from fleet.controlplane.agent_server import AgentRegistry
 from fleet.controlplane.lifecycle import JobState
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto.kinds import FaultKind
 from tests.component.conftest import TOKEN, start_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -105,14 +106,14 @@ def test_commands_reach_only_the_addressed_rank_of_the_current_attempt(controlle
             return list(stub.Report(agent_pb2.WorkerReport(job_id=job_id, attempt=att, rank=rank), timeout=5).commands)
 
         report(0), report(1)
-        crash = events_pb2.FaultSpec(kind="crash", at_step=7)
+        crash = events_pb2.FaultSpec(kind=FaultKind("crash").wire, at_step=7)
         controller.registry.send("node-0", events_pb2.Command(
             command_id="c-1", job_id=job_id, attempt=attempt, rank=1, fault=crash))
         got: list[events_pb2.Command] = []
         deadline = time.monotonic() + 10
         while not got and time.monotonic() < deadline:
             got = report(1)
-        assert [(c.command_id, c.fault.kind, c.fault.at_step) for c in got] == [("c-1", "crash", 7)]
+        assert [(c.command_id, FaultKind.from_wire(c.fault.kind), c.fault.at_step) for c in got] == [("c-1", "crash", 7)]
         assert report(0) == []
         assert report(1) == []  # delivered once
 

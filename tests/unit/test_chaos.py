@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from fleet.proto import events_pb2
+from fleet.proto.kinds import FaultKind
 import torch
 import yaml
 from hypothesis import given
@@ -317,7 +318,7 @@ def test_rank_0_corrupts_the_newest_checkpoint_at_exactly_the_armed_step(tmp_pat
 
     run_ranks(in_pg, 1, (_save_two_checkpoints, str(tmp_path)), timeout_s=50)
     hooks = FaultHooks(0, checkpoint_dir=str(tmp_path))
-    hooks.on_command(events_pb2.Command(command_id="c", fault=events_pb2.FaultSpec(kind="ckpt-corrupt", at_step=12)))
+    hooks.on_command(events_pb2.Command(command_id="c", fault=events_pb2.FaultSpec(kind=FaultKind("ckpt-corrupt").wire, at_step=12)))
     hooks.before_step(11)
     assert checkpoint.latest_valid(tmp_path)[0] == 10
     hooks.before_step(12)
@@ -326,7 +327,7 @@ def test_rank_0_corrupts_the_newest_checkpoint_at_exactly_the_armed_step(tmp_pat
     assert checkpoint.latest_valid(tmp_path)[0] == 5
     # a rank without a checkpoint folder ignores the order
     other = FaultHooks(1)
-    other.on_command(events_pb2.Command(command_id="d", fault=events_pb2.FaultSpec(kind="ckpt-corrupt", at_step=1)))
+    other.on_command(events_pb2.Command(command_id="d", fault=events_pb2.FaultSpec(kind=FaultKind("ckpt-corrupt").wire, at_step=1)))
     other.before_step(1)
     assert checkpoint.latest_valid(tmp_path)[0] == 5
 

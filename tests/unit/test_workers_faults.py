@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fleet.proto import events_pb2
+from fleet.proto.kinds import FaultKind
 from tests.unit.test_workers_support import REPO_ROOT
 from fleet.workers.faults import DEFAULT_SLOW_DELAY_S, FAULT_EXIT_CODE, WORKER_KINDS, FaultHooks
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def _fault(kind: str, at_step: int = 0, **fields: float) -> events_pb2.Command:
     return events_pb2.Command(command_id=kind[0], rank=0,
-                              fault=events_pb2.FaultSpec(kind=kind, at_step=at_step, **fields))
+                              fault=events_pb2.FaultSpec(kind=FaultKind(kind).wire, at_step=at_step, **fields))
 
 
 def _crash(at_step: int) -> events_pb2.Command:

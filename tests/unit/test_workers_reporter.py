@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fleet.proto import events_pb2
+from fleet.proto.kinds import FaultKind
 from tests.unit.test_workers_support import AgentServer, Ranks, free_port, wait_for_gate
 from fleet.workers.native_fr import NativeFlightTail
 from fleet.workers.recorder import FlightRecorder
@@ -87,7 +88,7 @@ def test_polls_without_events_and_passes_commands(agent):
         got.append(cmd)
         done.set()
 
-    agent.send(0, events_pb2.Command(command_id="c1", rank=0, fault=events_pb2.FaultSpec(kind="crash", at_step=9)))
+    agent.send(0, events_pb2.Command(command_id="c1", rank=0, fault=events_pb2.FaultSpec(kind=FaultKind("crash").wire, at_step=9)))
     agent.send(0, events_pb2.Command(command_id="c2", rank=5, stop=True))  # not ours: ignored
     with Reporter(_spec(agent.address), on_command):
         assert done.wait(10)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from fleet.proto import events_pb2
+from fleet.proto.kinds import FaultKind
 from tests.unit.test_workers_support import AgentServer, run_ranks
 from fleet.workers import checkpoint, train
 from fleet.workers.faults import FAULT_EXIT_CODE
@@ -101,7 +102,7 @@ def test_train_restore_is_bit_identical(agent, tmp_path):
 
 def test_injected_crash_kills_one_rank_and_fails_the_other(agent, tmp_path):
     agent.send(1, events_pb2.Command(command_id="f1", rank=1,
-                                     fault=events_pb2.FaultSpec(kind="crash", at_step=4)))
+                                     fault=events_pb2.FaultSpec(kind=FaultKind("crash").wire, at_step=4)))
     out = run_ranks(_run_expecting_failure, 2, (agent.address, str(tmp_path), 50),
                     expect_exit={1: FAULT_EXIT_CODE})
     assert out[0] != "no error"

@@ -12,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fleet.proto import events_pb2
+from fleet.proto.kinds import FaultKind
 from tests.unit.test_workers_support import AgentServer, run_ranks
 from fleet.workers import checkpoint, train
 from fleet.workers.faults import FAULT_EXIT_CODE
@@ -59,7 +60,7 @@ def test_killed_rank_restored_from_async_checkpoint_replays_losses_bit_for_bit(a
 
     # attempt 1: rank 1 is killed at step 13; the newest committed checkpoint is <= 12
     agent.send(1, events_pb2.Command(command_id="k", rank=1,
-                                     fault=events_pb2.FaultSpec(kind="crash", at_step=13)))
+                                     fault=events_pb2.FaultSpec(kind=FaultKind("crash").wire, at_step=13)))
     out = run_ranks(_run_or_fail, 2, (agent.address, str(tmp_path / "run"), 1, recipe),
                     timeout_s=120, expect_exit={1: FAULT_EXIT_CODE})
     assert out[0] != "ok" and isinstance(out[0], str)

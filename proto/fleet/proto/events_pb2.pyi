@@ -8,6 +8,54 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAULT_KIND_UNSPECIFIED: _ClassVar[FaultKind]
+    FAULT_KIND_CRASH: _ClassVar[FaultKind]
+    FAULT_KIND_HANG: _ClassVar[FaultKind]
+    FAULT_KIND_SLOW: _ClassVar[FaultKind]
+    FAULT_KIND_NAN: _ClassVar[FaultKind]
+    FAULT_KIND_NODE_DOWN: _ClassVar[FaultKind]
+    FAULT_KIND_AGENT_DOWN: _ClassVar[FaultKind]
+    FAULT_KIND_PARTITION: _ClassVar[FaultKind]
+    FAULT_KIND_CKPT_CORRUPT: _ClassVar[FaultKind]
+    FAULT_KIND_CONTROLLER_CRASH: _ClassVar[FaultKind]
+
+class IncidentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INCIDENT_KIND_UNSPECIFIED: _ClassVar[IncidentKind]
+    INCIDENT_KIND_CRASH: _ClassVar[IncidentKind]
+    INCIDENT_KIND_ERROR: _ClassVar[IncidentKind]
+    INCIDENT_KIND_HANG: _ClassVar[IncidentKind]
+    INCIDENT_KIND_DESYNC: _ClassVar[IncidentKind]
+    INCIDENT_KIND_STRAGGLER: _ClassVar[IncidentKind]
+    INCIDENT_KIND_NAN: _ClassVar[IncidentKind]
+    INCIDENT_KIND_LOSS_SPIKE: _ClassVar[IncidentKind]
+    INCIDENT_KIND_AGENT_LOSS: _ClassVar[IncidentKind]
+    INCIDENT_KIND_NODE_LOSS: _ClassVar[IncidentKind]
+    INCIDENT_KIND_CONTROLLER_CRASH: _ClassVar[IncidentKind]
+FAULT_KIND_UNSPECIFIED: FaultKind
+FAULT_KIND_CRASH: FaultKind
+FAULT_KIND_HANG: FaultKind
+FAULT_KIND_SLOW: FaultKind
+FAULT_KIND_NAN: FaultKind
+FAULT_KIND_NODE_DOWN: FaultKind
+FAULT_KIND_AGENT_DOWN: FaultKind
+FAULT_KIND_PARTITION: FaultKind
+FAULT_KIND_CKPT_CORRUPT: FaultKind
+FAULT_KIND_CONTROLLER_CRASH: FaultKind
+INCIDENT_KIND_UNSPECIFIED: IncidentKind
+INCIDENT_KIND_CRASH: IncidentKind
+INCIDENT_KIND_ERROR: IncidentKind
+INCIDENT_KIND_HANG: IncidentKind
+INCIDENT_KIND_DESYNC: IncidentKind
+INCIDENT_KIND_STRAGGLER: IncidentKind
+INCIDENT_KIND_NAN: IncidentKind
+INCIDENT_KIND_LOSS_SPIKE: IncidentKind
+INCIDENT_KIND_AGENT_LOSS: IncidentKind
+INCIDENT_KIND_NODE_LOSS: IncidentKind
+INCIDENT_KIND_CONTROLLER_CRASH: IncidentKind
+
 class Shape(_message.Message):
     __slots__ = ("dims",)
     DIMS_FIELD_NUMBER: _ClassVar[int]
@@ -259,12 +307,12 @@ class FaultSpec(_message.Message):
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     AFTER_S_FIELD_NUMBER: _ClassVar[int]
     DELAY_S_FIELD_NUMBER: _ClassVar[int]
-    kind: str
+    kind: FaultKind
     at_step: int
     duration_s: float
     after_s: float
     delay_s: float
-    def __init__(self, kind: _Optional[str] = ..., at_step: _Optional[int] = ..., duration_s: _Optional[float] = ..., after_s: _Optional[float] = ..., delay_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[FaultKind, str]] = ..., at_step: _Optional[int] = ..., duration_s: _Optional[float] = ..., after_s: _Optional[float] = ..., delay_s: _Optional[float] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("command_id", "job_id", "attempt", "rank", "fault", "stop")
