@@ -183,7 +183,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[WorkerStatus.State, str]] = ..., time_ns: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., restored_step: _Optional[int] = ..., detail: _Optional[str] = ..., phase_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointEvent(_message.Message):
-    __slots__ = ("job_id", "attempt", "rank", "step", "path", "manifest_sha256", "save_s", "time_ns")
+    __slots__ = ("job_id", "attempt", "rank", "step", "path", "manifest_sha256", "save_s", "time_ns", "invalid", "reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,8 @@ class CheckpointEvent(_message.Message):
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     SAVE_S_FIELD_NUMBER: _ClassVar[int]
     TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
     rank: int
@@ -200,7 +202,9 @@ class CheckpointEvent(_message.Message):
     manifest_sha256: str
     save_s: float
     time_ns: int
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., save_s: _Optional[float] = ..., time_ns: _Optional[int] = ...) -> None: ...
+    invalid: bool
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., save_s: _Optional[float] = ..., time_ns: _Optional[int] = ..., invalid: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ProcessGroupInfo(_message.Message):
     __slots__ = ("job_id", "attempt", "rank", "group", "desc", "ranks")
