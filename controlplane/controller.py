@@ -88,16 +88,6 @@ class RunResult:
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
-def worker_env(config: ClusterConfig) -> dict[str, str]:
-    """Environment of every worker process: the one place it is derived from config."""
-    del config  # nothing configurable yet; flight-recorder and NCCL knobs will land here
-    return {
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
-
-
 class Controller:
     """Runs one job. Construct, then call ``run()`` once."""
 
@@ -727,31 +717,12 @@ class Controller:
                  rec.first_step_s, rec.restored_step, rec.restored_from, rec.steps_lost, rec.reused_workers)
 
     def _specs(self, attempt, placement, port, ckpt_dir, local_addresses):  # noqa: ANN001
-        from fleet.workers.spec import WorkerSpec
+        from fleet.controlplane import launch
 
-        cfg = self.config
-        env = worker_env(cfg)
-        return [
-            WorkerSpec(
-                job_id=self.job_id,
-                attempt=attempt,
-                rank=rank,
-                world_size=len(placement),
-                node_name=node.name,
-                master_addr=self._master_addr(placement),
-                master_port=port,
-                agent_address=local_addresses[node.name],
-                checkpoint_dir=ckpt_dir,
-                model=cfg.job.model.args(),
-                train=cfg.job.train_args(),
-                pg_timeout_s=cfg.job.pg_timeout_s,
-                report_interval_s=cfg.agent.report_interval_s,
-                env=env,
-                fr_buffer_entries=cfg.job.flight_recorder_entries,
-                fr_poll_interval_s=cfg.agent.fr_poll_interval_s,
-            )
-            for rank, node in enumerate(placement)
-        ]
+        return launch.worker_specs(
+            self.config, job_id=self.job_id, attempt=attempt, placement=placement, port=port,
+            checkpoint_dir=ckpt_dir, local_addresses=local_addresses,
+            master_addr=self._master_addr(placement))
 
     def _master_addr(self, placement) -> str:  # noqa: ANN001
         """Rendezvous host: rank 0's node (always loopback for the local cluster)."""

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from fleet.proto import events_pb2
 from fleet.workers import metrics, native_fr
+from fleet.workers.env import apply_worker_env
 from fleet.workers.faults import FaultHooks
 from fleet.workers.native_fr import NativeFlightTail
 from fleet.workers.peer_links import PeerLinks
@@ -103,10 +104,7 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None, *,
     A process may call ``run`` again for a later attempt (fleet's in-process restart): the
     in-memory snapshots of the earlier attempt (workers/snapshot.py) are still here.
     """
-    os.environ.update(spec.env)
-    # read by the process group at creation: must be set before init_process_group (0 turns
-    # the recorder off; unset, torch records 2000 entries anyway)
-    os.environ["TORCH_FR_BUFFER_SIZE"] = str(spec.fr_buffer_entries)
+    apply_worker_env(spec)  # read by the process group at creation: before init_process_group
     torch.set_num_threads(1)  # ranks share the host's cores; more threads only contend
     own_pg = not dist.is_initialized()
     links: list[PeerLinks | None] = [None]  # set once the process group exists
