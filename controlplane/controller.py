@@ -32,7 +32,7 @@ from fleet.controlplane.control_server import ControlServicer
 from fleet.controlplane.detectors import Incident, attribute_failures, attribute_with_trace, decide_restart
 from fleet.controlplane.errors import FleetError, NotFoundError, StateError, UnavailableError
 from fleet.controlplane.grpc_server import ControllerServer
-from fleet.controlplane.lifecycle import AttemptState, JobState
+from fleet.controlplane.lifecycle import AttemptState, JobState, NodeActor
 from fleet.controlplane.placement import choose_nodes
 from fleet.controlplane.policy import decide_quarantine
 from fleet.controlplane.recovery import (
@@ -545,7 +545,7 @@ class Controller:
         history = self.store.incidents_on_node(node, now - policy.quarantine_window_s)
         decision = decide_quarantine(now, node, history, policy)
         if decision.quarantine:
-            self.store.quarantine_node(node, decision.reason)
+            self.store.quarantine_node(node, decision.reason, actor=NodeActor.POLICY, job_id=self.job_id)
             self.store.record_action(self.job_id, attempt, "quarantine", decision.reason)
             self._progress(f"quarantined {node}: {decision.reason}")
             if self._pool is not None:

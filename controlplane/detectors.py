@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Protocol
 
+from fleet.proto.kinds import IncidentKind
+
 
 class ObservedFailure(Protocol):
     """What the orchestrator saw of one rank's bad end."""
@@ -33,13 +35,17 @@ class ObservedFailure(Protocol):
 
 @dataclass(frozen=True)
 class Incident:
-    """A detected failure, blamed on one rank and node, with evidence."""
+    """A detected failure, blamed on one rank and node, with evidence. ``kind`` may be
+    given as its string value; it is an ``IncidentKind`` once built (ValueError if none)."""
 
-    kind: str          # see the module docstring
+    kind: IncidentKind  # see the module docstring
     detector: str
     rank: int          # -1: no rank can be named
     node: str          # "": no node can be named
     evidence: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", IncidentKind(self.kind))
 
 
 #: What a worker raises on a non-finite loss; every rank whose loss was not finite is listed.
@@ -83,9 +89,9 @@ def attribute_failures(failures: Sequence[ObservedFailure],
         evidence = f"rank {culprit.rank} on {culprit.node}: {culprit.error}"
         if others:
             evidence += f"; then ranks {others} failed"
-        return Incident("crash", "crash", culprit.rank, culprit.node, evidence)
+        return Incident(IncidentKind.CRASH, "crash", culprit.rank, culprit.node, evidence)
     first = min(failures, key=lambda f: f.rank)
-    return Incident("error", "crash", first.rank, first.node, f"rank {first.rank} raised: {first.error}")
+    return Incident(IncidentKind.ERROR, "crash", first.rank, first.node, f"rank {first.rank} raised: {first.error}")
 
 
 def _nonfinite_incident(failures: Sequence[ObservedFailure], nodes: Sequence[str] | None) -> Incident | None:
@@ -96,7 +102,7 @@ def _nonfinite_incident(failures: Sequence[ObservedFailure], nodes: Sequence[str
     reporter, (step, ranks) = reports[0]
     rank = ranks[0] if ranks else reporter.rank
     node = _node_of(rank, nodes, failures)
-    return Incident("nan", "nan", rank, node,
+    return Incident(IncidentKind.NAN, "nan", rank, node,
                     f"non-finite loss at step {step} on rank(s) {ranks or [reporter.rank]} "
                     f"(raised by rank(s) {[f.rank for f, _ in reports]})")
 
@@ -109,11 +115,11 @@ def attribute_with_trace(incident: Incident, verdict: str, culprit_ranks: Sequen
     the victims of a rank that hung or called the wrong collective; the desync verdict
     (controlplane/diagnosis) names that rank. A process death stays the cause.
     """
-    if incident.kind != "error" or verdict not in ("hang", "mismatch") or not culprit_ranks:
+    if incident.kind is not IncidentKind.ERROR or verdict not in ("hang", "mismatch") or not culprit_ranks:
         return incident
     rank = culprit_ranks[0]
     node = nodes[rank] if 0 <= rank < len(nodes) else incident.node
-    kind = "hang" if verdict == "hang" else "desync"
+    kind = IncidentKind.HANG if verdict == "hang" else IncidentKind.DESYNC
     return Incident(kind, "flight-recorder", rank, node,
                     f"{summary} Then: {incident.evidence}")
 
@@ -133,7 +139,7 @@ def _confirmed(verdict: str | None, culprit_ranks: Sequence[int], summary: str, 
     if verdict not in ("hang", "mismatch") or not culprit_ranks:
         return None
     rank = culprit_ranks[0]
-    return Incident("hang" if verdict == "hang" else "desync", "hang", rank, _node_of(rank, nodes),
+    return Incident(IncidentKind.HANG if verdict == "hang" else IncidentKind.DESYNC, "hang", rank, _node_of(rank, nodes),
                     f"{why}; flight recorder: {summary}")
 
 
@@ -172,10 +178,10 @@ def decide_hang(stalled_s: float, threshold_s: float, unconfirmed_s: float, verd
     seen = f"the flight recorder named no culprit ({verdict or 'no diagnosis'})"
     rank = oldest_rank(progress)
     if rank is None:
-        return Incident("hang", "hang", -1, "", f"unconfirmed: {why} and {seen}; no rank stands out")
+        return Incident(IncidentKind.HANG, "hang", -1, "", f"unconfirmed: {why} and {seen}; no rank stands out")
     step, idle = progress[rank]
     ago = "never progressed" if math.isinf(idle) else f"progressed last, {idle:.1f} s ago (step {step})"
-    return Incident("hang", "hang", rank, _node_of(rank, nodes),
+    return Incident(IncidentKind.HANG, "hang", rank, _node_of(rank, nodes),
                     f"unconfirmed: {why} and {seen}; rank {rank} {ago}, the longest ago")
 
 
@@ -189,7 +195,7 @@ def startup_hang(waited_s: float, timeout_s: float, verdict: str | None, culprit
     confirmed = _confirmed(verdict, culprit_ranks, summary, nodes, why)
     if confirmed is not None:
         return confirmed
-    return Incident("hang", "hang", -1, "",
+    return Incident(IncidentKind.HANG, "hang", -1, "",
                     f"unconfirmed: {why}; the flight recorder named no culprit ({verdict or 'no diagnosis'})")
 
 
@@ -231,7 +237,7 @@ def detect_straggler(laggards: Sequence[tuple[int, int, float] | None], steps: i
         return None
     rank = picked[0][1]
     lag = median(lag for _, _, lag in picked)
-    return Incident("straggler", "straggler", rank, _node_of(rank, nodes),
+    return Incident(IncidentKind.STRAGGLER, "straggler", rank, _node_of(rank, nodes),
                     f"rank {rank} entered collectives last in each of {steps} consecutive steps "
                     f"({numbers[0]}-{numbers[-1]}), a median {lag:.2f} s after the other members")
 
@@ -259,7 +265,7 @@ def loss_spike_incident(step: int, loss: float, recent_losses: Sequence[float], 
     if not loss_spike(recent_losses, loss, factor, window):
         return None
     mid = median([x for x in recent_losses if math.isfinite(x)][-window:])
-    return Incident("loss_spike", "loss", -1, "",
+    return Incident(IncidentKind.LOSS_SPIKE, "loss", -1, "",
                     f"loss {loss:.4g} at step {step} is {loss / mid:.1f}x the median {mid:.4g} of the "
                     f"previous {window} steps (limit {factor:g}x)")
 
@@ -276,7 +282,7 @@ def agent_loss_incident(node: str, silent_s: float, timeout_s: float, nodes: Seq
     r's node; -1 when none runs there)."""
     ranks = [r for r, n in enumerate(nodes) if n == node]
     on = f"; rank(s) {ranks} run there" if ranks else ""
-    return Incident("agent_loss", "agent", ranks[0] if ranks else -1, node,
+    return Incident(IncidentKind.AGENT_LOSS, "agent", ranks[0] if ranks else -1, node,
                     f"the agent of {node} was not heard from for {silent_s:.1f} s "
                     f"(timeout {timeout_s:g} s){on}")
 

@@ -1,8 +1,12 @@
-"""Job and attempt state machines.
+"""Job, attempt and node state machines.
 
-A job has attempts; an attempt is one worker group with one process group.
+A job has attempts; an attempt is one worker group with one process group. A node is
+healthy (placement may use it) or quarantined (taken out, by an operator or by the
+quarantine policy, until released).
 Allowed transitions are tables; ``check_transition`` raises ``StateError`` on any other
-move. The store calls it on every state change and records the transition as a row.
+move, a self-move included. The store calls it on every state change and records the
+transition as a row (``transitions`` for jobs and attempts, ``node_transitions`` for
+nodes, with who moved the node: a ``NodeActor``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,23 @@ class AttemptState(str, enum.Enum):
         return self in (AttemptState.SUCCEEDED, AttemptState.FAILED, AttemptState.STOPPED)
 
 
+class NodeState(enum.StrEnum):
+    """Whether placement may use a node. A node-down fault or a failed health check is
+    not a state: the first is the controller's memory of a timed fault, the second a
+    verdict stored next to the state (``nodes.health``)."""
+
+    HEALTHY = "healthy"
+    QUARANTINED = "quarantined"
+
+
+class NodeActor(enum.StrEnum):
+    """Who moved a node (``node_transitions.actor``)."""
+
+    OPERATOR = "operator"      # `fleet quarantine` / `fleet release`
+    POLICY = "policy"          # the controller's automatic quarantine (``policy.decide_quarantine``)
+    CONTROLLER = "controller"  # the controller registered the node (its first row)
+
+
 _J = JobState
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _J.PENDING: frozenset({_J.PLACING, _J.FAILED, _J.STOPPED}),
@@ -59,8 +80,19 @@ ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
 }
 
 
-def check_transition(old: JobState | AttemptState, new: JobState | AttemptState) -> None:
+_N = NodeState
+NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
+    _N.HEALTHY: frozenset({_N.QUARANTINED}),
+    _N.QUARANTINED: frozenset({_N.HEALTHY}),
+}
+
+State = JobState | AttemptState | NodeState
+_TABLES: dict[type, dict] = {JobState: JOB_TRANSITIONS, AttemptState: ATTEMPT_TRANSITIONS,
+                             NodeState: NODE_TRANSITIONS}
+
+
+def check_transition(old: State, new: State) -> None:
     """Raise ``StateError`` unless ``old -> new`` is an allowed move of the same machine."""
-    table = JOB_TRANSITIONS if isinstance(old, JobState) else ATTEMPT_TRANSITIONS
+    table = _TABLES[type(old)]
     if type(new) is not type(old) or new not in table[old]:
         raise StateError(f"illegal transition {old.value} -> {new.value}")

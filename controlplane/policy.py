@@ -2,7 +2,8 @@
 
 A hardware fault tends to repeat on the same node; a software fault follows the job.
 So a node is quarantined once ``policy.quarantine_after_incidents`` incidents of the
-hardware-like kinds (``policy.quarantine_kinds``) were blamed on it within
+hardware-like kinds (``policy.quarantine_kinds``, by default those whose
+``IncidentKind.counts_for_quarantine``) were blamed on it within
 ``policy.quarantine_window_s``, counted across jobs. The reason names them.
 """
 
@@ -12,9 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from fleet.proto.kinds import IncidentKind
+
 
 class BlamedIncident(Protocol):
-    kind: str
+    kind: IncidentKind
     node: str | None
     detected_at: float
     job_id: str
@@ -25,7 +28,7 @@ class BlamedIncident(Protocol):
 class QuarantinePolicy(Protocol):
     quarantine_after_incidents: int
     quarantine_window_s: float
-    quarantine_kinds: list[str]
+    quarantine_kinds: Sequence[IncidentKind]
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from fleet.controlplane.lifecycle import NodeState
 from fleet.controlplane.store import (
-    NODE_QUARANTINED,
     ActionRecord,
     AttemptRecord,
     CheckpointRecord,
@@ -40,10 +40,7 @@ from fleet.controlplane.store import (
     RecoveryRecord,
     StepRecord,
 )
-
-
-#: Incidents an attempt normally runs through (recorded, acted on, not ending it).
-_SIDE_KINDS = frozenset({"agent_loss", "straggler", "loss_spike"})
+from fleet.proto.kinds import IncidentKind
 
 
 def _timeline(steps: Sequence[StepRecord]) -> dict[int, dict[int, tuple[float, float]]]:
@@ -104,7 +101,7 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         if i.attempt not in failed:
             continue
         have = by_attempt.get(i.attempt)
-        if have is None or have.id not in recovery_of and (i.id in recovery_of or i.kind not in _SIDE_KINDS):
+        if have is None or have.id not in recovery_of and (i.id in recovery_of or IncidentKind(i.kind).ends_attempt):
             by_attempt[i.attempt] = i
     detection = restart = 0.0
     out_incidents = []
@@ -147,7 +144,7 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
     lost = {"startup_s": startup, "detection_s": detection, "restart_s": restart,
             "recomputed_s": recomputed, "checkpointing_s": checkpointing}
     lost["other_s"] = max(wall - productive - sum(lost.values()), 0.0)
-    quarantined = sorted(n.name for n in nodes if n.state == NODE_QUARANTINED and n.quarantined_since
+    quarantined = sorted(n.name for n in nodes if n.state == NodeState.QUARANTINED and n.quarantined_since
                          and job.created_at <= n.quarantined_since <= end_of_job)
     return {
         "job": job.id, "name": job.name, "state": job.state.value,

@@ -1,5 +1,6 @@
 """`fleet nodes`, `fleet quarantine`, `fleet release`: the nodes in the store, their health,
-quarantine and lost events."""
+quarantine, last state change and lost events. Quarantine and release are stored with
+actor ``operator`` (``node_transitions``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ import typer
 from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
 from fleet.controlplane.cli.render import console, err_console, fmt_time, print_json, print_table
 from fleet.controlplane.errors import ConfigError
+from fleet.controlplane.lifecycle import NodeActor
+from fleet.controlplane.store import NodeTransitionRecord
+
+_RELEASED = "released by an operator"
+
+
+def _transition(t: NodeTransitionRecord | None) -> dict | None:
+    if t is None:
+        return None
+    return {"from_state": t.from_state, "to_state": t.to_state, "reason": t.reason,
+            "actor": t.actor, "job_id": t.job_id, "at": t.at}
 
 
 def nodes(store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt = False) -> None:
@@ -19,6 +31,7 @@ def nodes(store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt 
     with open_store(store, cluster) as st:
         records = st.list_nodes()
         drops = st.ingest_drops()
+        last = st.last_node_transitions()
     lost: dict[str, list] = {}
     for d in drops:
         lost.setdefault(d.node, []).append(d)
@@ -34,6 +47,7 @@ def nodes(store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt 
             "last_seen": n.last_seen,
             "events_lost": sum(d.events for d in lost.get(n.name, [])),
             "last_loss": lost[n.name][-1].reason if n.name in lost else "",
+            "last_transition": _transition(last.get(n.name)),
         }
         for n in records
     ]
@@ -62,7 +76,7 @@ def quarantine(
     if not reason.strip():
         raise ConfigError("--reason must say why the node is quarantined")
     with open_store(store, cluster) as st:
-        st.quarantine_node(node, reason.strip())
+        st.quarantine_node(node, reason.strip(), actor=NodeActor.OPERATOR)
         record = next(n for n in st.list_nodes() if n.name == node)
     console.print(f"{node} quarantined since {fmt_time(record.quarantined_since)}: "
                   f"{record.quarantine_reason}", highlight=False)
@@ -70,9 +84,13 @@ def quarantine(
 
 def release(
     node: Annotated[str, typer.Argument(help="Node name, as `fleet nodes` lists it.")],
+    reason: Annotated[str, typer.Option("--reason", help="Why (stored in the node's history).")] = _RELEASED,
     store: StoreOpt = None, cluster: ClusterOpt = None,
 ) -> None:
-    """Return a quarantined node to placement."""
+    """Return a quarantined node to placement (a healthy one is left as it is)."""
     with open_store(store, cluster) as st:
-        st.release_node(node)
-    console.print(f"{node} released: healthy, available to new attempts", highlight=False)
+        moved = st.release_node(node, actor=NodeActor.OPERATOR, reason=reason.strip() or _RELEASED)
+    if moved:
+        console.print(f"{node} released: healthy, available to new attempts", highlight=False)
+    else:
+        console.print(f"{node} was not quarantined: healthy, available to new attempts", highlight=False)

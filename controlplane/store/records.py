@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.controlplane.lifecycle import AttemptState, JobState
+from fleet.controlplane.lifecycle import AttemptState, JobState, NodeState
+from fleet.proto.kinds import IncidentKind
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,26 @@ class NodeRecord:
     ray_node_id: str
     hostname: str
     resources_json: str
-    state: str  # "healthy" | "quarantined"
+    state: NodeState  # a StrEnum: compares equal to "healthy" / "quarantined"
     quarantine_reason: str
     quarantined_since: float | None
     last_seen: float
     health: str = "unknown"  # last node health-check verdict; "unknown" until the first check
     health_reason: str = ""  # why, as the check reported it
+
+
+@dataclass(frozen=True)
+class NodeTransitionRecord:
+    """One node state change. ``actor`` is a ``NodeActor`` value, or ``migration`` for the
+    first row of a node that existed before node history was kept."""
+
+    node: str
+    from_state: NodeState | None  # None for the node's first row
+    to_state: NodeState
+    reason: str
+    actor: str
+    job_id: str | None  # the job whose incidents led to it, if any
+    at: float  # Unix seconds
 
 
 @dataclass(frozen=True)
@@ -168,7 +183,7 @@ class IncidentRecord:
     id: int
     job_id: str
     attempt: int
-    kind: str
+    kind: IncidentKind
     rank: int | None
     node: str | None
     detector: str

@@ -1,7 +1,7 @@
 """The store's tables: SQLAlchemy 2.x declarative models over one ``MetaData``.
 
-Metadata tables (jobs, attempts, transitions, nodes, ranks, incidents, actions) are used
-through the ORM. High-volume telemetry tables (collectives, steps, worker_status,
+Metadata tables (jobs, attempts, transitions, nodes, node_transitions, ranks, incidents,
+actions) are used through the ORM. High-volume telemetry tables (collectives, steps, worker_status,
 health_samples, process_groups) are written with Core bulk inserts of dicts, never ORM objects.
 
 Invariants:
@@ -105,7 +105,7 @@ class Node(Base):
     ray_node_id: Mapped[str] = mapped_column(String(NAME_LEN))
     hostname: Mapped[str] = mapped_column(String(NAME_LEN))
     resources_json: Mapped[str] = mapped_column(Text)
-    state: Mapped[str] = mapped_column(String(STATE_LEN))  # "healthy" | "quarantined"
+    state: Mapped[str] = mapped_column(String(STATE_LEN))  # a NodeState value
     quarantine_reason: Mapped[str] = mapped_column(Text, default="")
     quarantined_since: Mapped[float | None] = mapped_column(Float)
     last_seen: Mapped[float] = mapped_column(Float)
@@ -114,6 +114,23 @@ class Node(Base):
     health: Mapped[str] = mapped_column(String(STATE_LEN), default="unknown",
                                         server_default="unknown")
     health_reason: Mapped[str] = mapped_column(Text, default="", server_default="")
+
+
+class NodeTransition(Base):
+    """One node state change: who (``NodeActor``), why, and the job it came from, if any.
+    No foreign key to ``nodes`` or ``jobs``: the history outlives either row."""
+
+    __tablename__ = "node_transitions"
+    __table_args__ = (Index(None, "node", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    node: Mapped[str] = mapped_column(String(NAME_LEN))
+    from_state: Mapped[str | None] = mapped_column(String(STATE_LEN))  # None on registration
+    to_state: Mapped[str] = mapped_column(String(STATE_LEN))
+    reason: Mapped[str] = mapped_column(Text)
+    actor: Mapped[str] = mapped_column(String(STATE_LEN))
+    job_id: Mapped[str | None] = mapped_column(String(JOB_ID_LEN))
+    at: Mapped[float] = mapped_column(Float)
 
 
 class Rank(Base):

@@ -7,7 +7,9 @@ Invariants:
   the frozen records of ``records.py``.
 - Every job/attempt state change is checked with ``check_transition`` and stored as a
   ``transitions`` row in the same transaction; an illegal one raises ``StateError``
-  and writes nothing.
+  and writes nothing. Node state changes likewise, as ``node_transitions`` rows that
+  also name the actor (``NodeActor``) and the job involved, if any.
+- Incident kinds are ``IncidentKind`` values: ``record_incident`` refuses any other.
 - ``record_batch`` is idempotent on (agent_id, epoch, seq): the batch row and its
   events commit together or not at all.
 - Opening a Store brings its schema to the newest migration (``migrate.upgrade``).
@@ -30,7 +32,7 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from fleet.controlplane.errors import FleetError, NotFoundError, StateError, UnavailableError
-from fleet.controlplane.lifecycle import AttemptState, JobState, check_transition
+from fleet.controlplane.lifecycle import AttemptState, JobState, NodeActor, NodeState, check_transition
 from fleet.controlplane.store import ingest, migrate
 from fleet.controlplane.store.engine import make_engine, redact, upsert
 from fleet.controlplane.store.records import (
@@ -44,6 +46,7 @@ from fleet.controlplane.store.records import (
     IngestDropRecord,
     JobRecord,
     NodeRecord,
+    NodeTransitionRecord,
     ProcessGroupRecord,
     RankRecord,
     RecoveryRecord,
@@ -63,6 +66,7 @@ from fleet.controlplane.store.schema import (
     IngestDrop,
     Job,
     Node,
+    NodeTransition,
     ProcessGroupRow,
     Rank,
     Recovery,
@@ -72,13 +76,14 @@ from fleet.controlplane.store.schema import (
     WorkerStatusRow,
 )
 from fleet.proto import events_pb2
+from fleet.proto.kinds import IncidentKind
 
 ACTION_KINDS = frozenset({"restart", "quarantine", "release", "rollback", "stop", "inject_fault",
                           "restart_agent", "shrink"})
 SDC_KINDS = ingest.SDC_KINDS
 DROP_SOURCES = frozenset({"agent", "controller"})
-NODE_HEALTHY = "healthy"
-NODE_QUARANTINED = "quarantined"
+NODE_HEALTHY = NodeState.HEALTHY
+NODE_QUARANTINED = NodeState.QUARANTINED
 
 
 def new_job_id(now: float) -> str:
@@ -286,17 +291,22 @@ class Store:
     # -- nodes and ranks ------------------------------------------------------------------
 
     def upsert_node(self, name: str, ray_node_id: str, hostname: str, resources_json: str) -> None:
-        """Register a node or refresh its identity; keeps any quarantine. Sets last_seen."""
+        """Register a node or refresh its identity; keeps any quarantine. Sets last_seen.
+        A new node starts healthy, with a first ``node_transitions`` row (actor controller)."""
         now = time.time()
-        stmt = upsert(self.dialect, Node.__table__, ["name"], {
-            "ray_node_id": ray_node_id, "hostname": hostname,
-            "resources_json": resources_json, "last_seen": now,
-        })
+        identity = {"ray_node_id": ray_node_id, "hostname": hostname,
+                    "resources_json": resources_json, "last_seen": now}
+        # Insert-or-nothing first, so exactly one registrant (rowcount 1) writes the first row.
+        insert = upsert(self.dialect, Node.__table__, ["name"], None).values(
+            name=name, state=NodeState.HEALTHY.value, quarantine_reason="", quarantined_since=None,
+            **identity)
         with self._tx(write=True) as s:
-            s.execute(stmt, [{"name": name, "ray_node_id": ray_node_id, "hostname": hostname,
-                              "resources_json": resources_json, "state": NODE_HEALTHY,
-                              "quarantine_reason": "", "quarantined_since": None,
-                              "last_seen": now}])
+            if s.execute(insert).rowcount == 1:
+                s.add(NodeTransition(node=name, from_state=None, to_state=NodeState.HEALTHY.value,
+                                     reason="registered", actor=NodeActor.CONTROLLER.value,
+                                     job_id=None, at=now))
+            else:
+                s.execute(update(Node).where(Node.name == name).values(**identity))
 
     def touch_node(self, name: str) -> None:
         """Set the node's last_seen to now; ``NotFoundError`` if unknown."""
@@ -305,23 +315,64 @@ class Store:
             if res.rowcount == 0:
                 raise NotFoundError(f"node {name!r} not found")
 
-    def quarantine_node(self, name: str, reason: str) -> None:
-        """Mark the node quarantined with ``reason`` (kept if already quarantined)."""
-        with self._tx(write=True) as s:
-            node = s.get(Node, name, with_for_update=True)
-            if node is None:
-                raise NotFoundError(f"node {name!r} not found")
-            if node.state != NODE_QUARANTINED:
-                node.state, node.quarantine_reason = NODE_QUARANTINED, reason
-                node.quarantined_since = time.time()
+    def _move_node(self, s: Session, name: str, to: NodeState, reason: str, actor: NodeActor,
+                   job_id: str | None, now: float) -> Node | None:
+        """Lock the node and move it to ``to``, storing the transition; None (nothing
+        written) when it is there already. ``NotFoundError`` if unknown."""
+        node = s.get(Node, name, with_for_update=True)
+        if node is None:
+            raise NotFoundError(f"node {name!r} not found")
+        old = NodeState(node.state)
+        if old is to:
+            return None
+        check_transition(old, to)
+        node.state = to.value
+        s.add(NodeTransition(node=name, from_state=old.value, to_state=to.value, reason=reason,
+                             actor=NodeActor(actor).value, job_id=job_id, at=now))
+        return node
 
-    def release_node(self, name: str) -> None:
-        """Return a quarantined node to healthy."""
+    def quarantine_node(self, name: str, reason: str, *, actor: NodeActor = NodeActor.OPERATOR,
+                        job_id: str | None = None) -> bool:
+        """Take the node out of placement with ``reason``, recording who (``actor``) and the
+        job whose incidents led to it. A node already quarantined keeps its first reason and
+        nothing is written: return whether it moved. ``NotFoundError`` if unknown."""
         with self._tx(write=True) as s:
-            node = s.get(Node, name, with_for_update=True)
-            if node is None:
-                raise NotFoundError(f"node {name!r} not found")
-            node.state, node.quarantine_reason, node.quarantined_since = NODE_HEALTHY, "", None
+            now = time.time()
+            node = self._move_node(s, name, NodeState.QUARANTINED, reason, actor, job_id, now)
+            if node is not None:
+                node.quarantine_reason, node.quarantined_since = reason, now
+            return node is not None
+
+    def release_node(self, name: str, *, actor: NodeActor = NodeActor.OPERATOR,
+                     reason: str = "released") -> bool:
+        """Return a quarantined node to healthy, recording who and why. A healthy node is
+        left as it is and nothing is written: return whether it moved. ``NotFoundError``
+        if unknown."""
+        with self._tx(write=True) as s:
+            node = self._move_node(s, name, NodeState.HEALTHY, reason, actor, None, time.time())
+            if node is not None:
+                node.quarantine_reason, node.quarantined_since = "", None
+            return node is not None
+
+    def node_history(self, name: str) -> list[NodeTransitionRecord]:
+        """Every state change of the node, oldest first (empty for a node never seen)."""
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(NodeTransition).where(NodeTransition.node == name)
+                             .order_by(NodeTransition.id)).all()
+            return [self._node_transition_record(r) for r in rows]
+
+    def last_node_transitions(self) -> dict[str, NodeTransitionRecord]:
+        """Each node's latest state change, by node name."""
+        latest = (select(func.max(NodeTransition.id)).group_by(NodeTransition.node)).scalar_subquery()
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(NodeTransition).where(NodeTransition.id.in_(latest))).all()
+            return {r.node: self._node_transition_record(r) for r in rows}
+
+    @staticmethod
+    def _node_transition_record(r: NodeTransition) -> NodeTransitionRecord:
+        return NodeTransitionRecord(
+            node=r.node, from_state=None if r.from_state is None else NodeState(r.from_state),
+            to_state=NodeState(r.to_state), reason=r.reason, actor=r.actor, job_id=r.job_id, at=r.at)
 
     def set_node_health(self, name: str, health: str, reason: str) -> None:
         """Store the node's latest health-check verdict and why; ``NotFoundError`` if unknown."""
@@ -335,7 +386,7 @@ class Store:
         with self._tx(write=False) as s:
             rows = s.scalars(select(Node).order_by(Node.name)).all()
             return [NodeRecord(name=n.name, ray_node_id=n.ray_node_id, hostname=n.hostname,
-                               resources_json=n.resources_json, state=n.state,
+                               resources_json=n.resources_json, state=NodeState(n.state),
                                quarantine_reason=n.quarantine_reason,
                                quarantined_since=n.quarantined_since, last_seen=n.last_seen,
                                health=n.health, health_reason=n.health_reason)
@@ -421,13 +472,18 @@ class Store:
 
     # -- incidents, actions, checkpoints --------------------------------------------------
 
-    def record_incident(self, job_id: str, attempt: int, kind: str, detector: str,
+    def record_incident(self, job_id: str, attempt: int, kind: IncidentKind | str, detector: str,
                         evidence: str, rank: int | None = None, node: str | None = None,
                         detected_at: float | None = None) -> int:
-        """Store a detected incident (``detected_at``: Unix time, default now); return its id."""
+        """Store a detected incident (``detected_at``: Unix time, default now); return its id.
+        ``ValueError`` (nothing written) when ``kind`` is not an ``IncidentKind``."""
+        try:
+            kind = IncidentKind(kind)
+        except ValueError:
+            raise ValueError(f"unknown incident kind {kind!r}; known: {', '.join(IncidentKind)}") from None
         try:
             with self._tx(write=True) as s:
-                row = Incident(job_id=job_id, attempt=attempt, kind=kind, rank=rank, node=node,
+                row = Incident(job_id=job_id, attempt=attempt, kind=kind.value, rank=rank, node=node,
                                detector=detector, evidence=evidence,
                                detected_at=time.time() if detected_at is None else detected_at)
                 s.add(row)
@@ -444,7 +500,7 @@ class Store:
 
     @staticmethod
     def _incident_record(r: Incident) -> IncidentRecord:
-        return IncidentRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, kind=r.kind, rank=r.rank,
+        return IncidentRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, kind=IncidentKind(r.kind), rank=r.rank,
                               node=r.node, detector=r.detector, evidence=r.evidence,
                               detected_at=r.detected_at)
 
