@@ -26,6 +26,7 @@ from fleet.agent.tls import TlsFiles
 from fleet.agent.uplink import MESSAGE_HEADROOM_BYTES
 from fleet.controlplane import chaos
 from fleet.controlplane.errors import ConfigError
+from fleet.proto.kinds import IncidentKind
 from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs
 
 #: The embedded default, used when ``fleet up`` is given no ``--cluster``.
@@ -378,11 +379,6 @@ class JobConfig(_Section):
         return self
 
 
-#: Kinds of incident the controller records (``detectors.Incident.kind``).
-INCIDENT_KINDS = frozenset({"crash", "error", "hang", "desync", "straggler", "nan", "loss_spike",
-                            "agent_loss", "node_loss", "controller_crash"})
-
-
 class PolicyConfig(_Section):
     """When the controller takes a node out of placement by itself."""
 
@@ -393,19 +389,22 @@ class PolicyConfig(_Section):
     )
     quarantine_window_s: float = Field(
         3600.0, gt=0, le=30 * 86400, description="The window those incidents are counted in, seconds.")
-    quarantine_kinds: list[str] = Field(
-        default_factory=lambda: ["crash", "hang"],
+    quarantine_kinds: list[IncidentKind] = Field(
+        default_factory=lambda: [k for k in IncidentKind if k.counts_for_quarantine],
         description="Incident kinds that count: crash (a rank's process died) and hang (the flight "
         "recorder named a rank that never entered a collective) point at hardware; error and desync "
         "follow the code, not the node.",
     )
 
-    @field_validator("quarantine_kinds")
+    @field_validator("quarantine_kinds", mode="before")
     @classmethod
-    def _known_kinds(cls, kinds: list[str]) -> list[str]:
-        unknown = sorted(set(kinds) - INCIDENT_KINDS)
-        if unknown:
-            raise ValueError(f"unknown incident kind(s) {unknown}; known: {sorted(INCIDENT_KINDS)}")
+    def _known_kinds(cls, kinds: Any) -> Any:
+        # Before pydantic's own enum check, so the error lists every known kind in one line.
+        if isinstance(kinds, list):
+            unknown = sorted({str(k) for k in kinds} - set(IncidentKind))
+            if unknown:
+                known = sorted(k.value for k in IncidentKind)
+                raise ValueError(f"unknown incident kind(s) {unknown}; known: {known}")
         return kinds
 
 

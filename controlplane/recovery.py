@@ -15,6 +15,7 @@ import psutil
 from fleet.controlplane import chaos
 from fleet.controlplane.detectors import Incident
 from fleet.controlplane.store import RecoveryRecord, WorkerStatusRecord
+from fleet.proto.kinds import FaultKind, IncidentKind
 
 
 @dataclass
@@ -54,9 +55,17 @@ def finish_recovery(job_id: str, r: PendingRecovery, span: tuple[int, int, int],
         restored_from="+".join(sources), reused_workers=r.reused)
 
 
+#: The incidents each fault kind can be seen as (a killed rank's node may be what is lost).
+_CAUSES: dict[FaultKind, tuple[IncidentKind, ...]] = {
+    FaultKind.CRASH: (IncidentKind.CRASH, IncidentKind.NODE_LOSS),
+    FaultKind.HANG: (IncidentKind.HANG, IncidentKind.DESYNC),
+    FaultKind.NAN: (IncidentKind.NAN,),
+}
+
+
 def caused(order: chaos.FaultOrder, incident: Incident) -> bool:
     """Whether ``incident`` is what the injected ``order`` did."""
-    kind = {"crash": ("crash", "node_loss"), "hang": ("hang", "desync"), "nan": ("nan",)}.get(order.kind, ())
+    kind = _CAUSES.get(order.kind, ())
     hit = incident.rank == order.rank if order.rank >= 0 else incident.node == order.node
     return incident.kind in kind and hit
 
