@@ -41,10 +41,10 @@ from pathlib import Path
 import grpc
 
 from fleet.agent.host import host_metrics
-from fleet.agent.tls import TlsFiles
 from fleet.agent.uplink import Uplink
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from fleet.proto.kinds import FaultKind
+from fleet.proto.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 

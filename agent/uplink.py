@@ -52,18 +52,18 @@ from pathlib import Path
 import grpc
 
 from fleet.agent.spool import Spool
-from fleet.agent.tls import TlsFiles, channel_credentials
 from fleet.proto import agent_pb2, events_pb2
+from fleet.proto.contract import (
+    AGENT_MESSAGE_BATCH_TAG,
+    CONNECT_METHOD_PATH,
+    EVENT_BATCH_EVENTS_TAG,
+    MESSAGE_HEADROOM_BYTES,
+    TOKEN_METADATA_KEY,
+    encode_varint,
+)
+from fleet.proto.tls import TlsFiles, channel_credentials
 
 log = logging.getLogger(__name__)
-
-TOKEN_METADATA_KEY = "x-fleet-token"
-
-_CONNECT_METHOD = "/fleet.v1.AgentService/Connect"
-_AGENT_MSG_BATCH_TAG = b"\x12"   # AgentMessage.batch: field 2, length-delimited
-_EVENT_BATCH_EVENTS_TAG = b"\x22"  # EventBatch.events: field 4, length-delimited
-#: Room left in a gRPC message for the batch's header and framing, bytes.
-MESSAGE_HEADROOM_BYTES = 64 * 1024
 
 #: Drops closer together than this form one burst, logged once.
 DROP_BURST_GAP_S = 10.0
@@ -71,17 +71,9 @@ DROP_BURST_GAP_S = 10.0
 _HEARTBEAT = object()
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def _length_delimited(tag: bytes, data: bytes) -> bytes:
-    return tag + _varint(len(data)) + data
+    """One length-delimited field: its key (from ``fleet.proto.contract``), length, bytes."""
+    return tag + encode_varint(len(data)) + data
 
 
 @dataclass
@@ -198,7 +190,7 @@ class Uplink:
         Blocks while memory and spill are both full; TimeoutError after ``timeout_s``
         (or once closed): then none of ``events`` was taken and the caller keeps them.
         """
-        fields = [_length_delimited(_EVENT_BATCH_EVENTS_TAG, e.SerializeToString()) for e in events]
+        fields = [_length_delimited(EVENT_BATCH_EVENTS_TAG, e.SerializeToString()) for e in events]
         too_big = [len(f) for f in fields if len(f) > self._max_event_bytes]
         if too_big:
             fields = [f for f in fields if len(f) <= self._max_event_bytes]
@@ -456,7 +448,7 @@ class Uplink:
             try:
                 with self._channel() as channel:
                     connect = channel.stream_stream(
-                        _CONNECT_METHOD,
+                        CONNECT_METHOD_PATH,
                         request_serializer=None,  # the generator yields encoded AgentMessages
                         response_deserializer=agent_pb2.ControllerMessage.FromString,
                     )
@@ -513,7 +505,7 @@ class Uplink:
                 except OSError as exc:
                     self._spill_lost(item, exc)
                     continue
-                yield _length_delimited(_AGENT_MSG_BATCH_TAG, data)
+                yield _length_delimited(AGENT_MESSAGE_BATCH_TAG, data)
 
     def _next_out(self, conn: _Conn) -> object | None:
         """The next message for this stream: encoded bytes, a spilled _Batch to read,
@@ -553,7 +545,7 @@ class Uplink:
                     conn.cursor = batch.seq
                     if batch.data is None:
                         return batch
-                    return _length_delimited(_AGENT_MSG_BATCH_TAG, batch.data)
+                    return _length_delimited(AGENT_MESSAGE_BATCH_TAG, batch.data)
                 wait = conn.next_heartbeat - now
                 if self._pending:
                     wait = min(wait, self._pending_since + self._batch_interval_s - now)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from fleet.controlplane.auth import TOKEN_METADATA_KEY, tokens_equal
+from fleet.controlplane.auth import tokens_equal
 from fleet.controlplane.errors import UnavailableError
 from fleet.controlplane.ingest_writer import IngestWriter, Item
 from fleet.controlplane.metrics import ControllerMetrics
@@ -44,6 +44,7 @@ from fleet.controlplane.store.ingest import InvalidBatch, PreparedBatch, count_e
 MALFORMED = object()
 OVERSIZED = object()
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto.contract import TOKEN_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         metadata = dict(context.invocation_metadata())
         if not tokens_equal(metadata.get(TOKEN_METADATA_KEY), self._token):
             self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED,
-                         "missing or wrong x-fleet-token")
+                         f"missing or wrong {TOKEN_METADATA_KEY}")
         try:
             first = next(request_iterator)
         except StopIteration:

@@ -1,9 +1,9 @@
 """Per-run secrets and the controller address file.
 
 ``fleet up`` generates a random token, writes it to ``<state_dir>/token`` with mode
-0600, and hands it to its agents; every gRPC call carries it as ``x-fleet-token``
-metadata. ``<state_dir>/controller.json`` (also 0600) tells other CLI commands where the
-running controller listens and which job it runs, and, when the controller uses mutual
+0600, and hands it to its agents; every gRPC call carries it as metadata under
+``fleet.proto.contract.TOKEN_METADATA_KEY``. ``<state_dir>/controller.json`` (also
+0600) tells other CLI commands where the running controller listens and which job it runs, and, when the controller uses mutual
 TLS, which CA and client certificate/key files the CLI connects with.
 """
 
@@ -16,10 +16,8 @@ import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fleet.agent.tls import TlsFiles
 from fleet.controlplane.errors import UnavailableError
-
-TOKEN_METADATA_KEY = "x-fleet-token"
+from fleet.proto.tls import TlsFiles
 
 
 def new_token() -> str:

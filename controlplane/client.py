@@ -11,27 +11,13 @@ from pathlib import Path
 
 import grpc
 
-from fleet.agent.tls import TlsFileError, TlsFiles, channel_credentials
 from fleet.controlplane import auth
-from fleet.controlplane.errors import (
-    AuthError,
-    ConfigError,
-    FleetError,
-    NotFoundError,
-    StateError,
-    UnavailableError,
-)
+from fleet.controlplane.errors import ConfigError
+from fleet.controlplane.grpc_errors import error_class
 from fleet.proto import control_pb2, control_pb2_grpc, events_pb2
+from fleet.proto.contract import TOKEN_METADATA_KEY
 from fleet.proto.kinds import FaultKind
-
-_CODES: dict[grpc.StatusCode, type[FleetError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: ConfigError,
-    grpc.StatusCode.NOT_FOUND: NotFoundError,
-    grpc.StatusCode.FAILED_PRECONDITION: StateError,
-    grpc.StatusCode.UNAUTHENTICATED: AuthError,
-    grpc.StatusCode.UNAVAILABLE: UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: UnavailableError,
-}
+from fleet.proto.tls import TlsFileError, TlsFiles, channel_credentials
 
 
 class ControlClient:
@@ -39,7 +25,7 @@ class ControlClient:
 
     def __init__(self, address: str, token: str, timeout_s: float = 10.0, tls: TlsFiles | None = None) -> None:
         self.address = address
-        self._metadata = ((auth.TOKEN_METADATA_KEY, token),)
+        self._metadata = ((TOKEN_METADATA_KEY, token),)
         self._timeout_s = timeout_s
         if tls is None:
             self._channel = grpc.insecure_channel(address)
@@ -60,7 +46,7 @@ class ControlClient:
         try:
             return method(request, metadata=self._metadata, timeout=self._timeout_s)
         except grpc.RpcError as exc:
-            err = _CODES.get(exc.code(), FleetError)
+            err = error_class(exc.code())
             detail = exc.details() or exc.code().name
             # a transport failure (no controller there) reads differently from a refusal
             # that the controller itself answered with UNAVAILABLE

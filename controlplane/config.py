@@ -22,10 +22,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fleet.agent.tls import TlsFiles
-from fleet.agent.uplink import MESSAGE_HEADROOM_BYTES
 from fleet.controlplane import chaos
 from fleet.controlplane.errors import ConfigError
+from fleet.proto.contract import MESSAGE_HEADROOM_BYTES
+from fleet.proto.tls import TlsFiles
 from fleet.proto.kinds import IncidentKind
 from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs
 

@@ -13,10 +13,12 @@ from typing import Protocol, TypeVar
 
 import grpc
 
-from fleet.controlplane.auth import TOKEN_METADATA_KEY, tokens_equal
+from fleet.controlplane.auth import tokens_equal
 from fleet.controlplane.chaos import FaultOrder, kind_of_wire, validate_order
 from fleet.controlplane.errors import FleetError
+from fleet.controlplane.grpc_errors import status_code
 from fleet.proto import control_pb2, control_pb2_grpc, events_pb2
+from fleet.proto.contract import TOKEN_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +46,11 @@ def _guarded(method: Callable[..., Resp]) -> Callable[..., Resp]:
     def wrapper(self: ControlServicer, request: Req, context: grpc.ServicerContext) -> Resp:
         metadata = dict(context.invocation_metadata())
         if not tokens_equal(metadata.get(TOKEN_METADATA_KEY), self._token):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-fleet-token")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {TOKEN_METADATA_KEY}")
         try:
             return method(self, request, context)
         except FleetError as exc:
-            context.abort(exc.grpc_code, str(exc))
+            context.abort(status_code(exc), str(exc))
         raise AssertionError("unreachable")
 
     return wrapper

@@ -16,11 +16,12 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fleet.agent.tls import TlsFileError, TlsFiles, server_credentials
 from fleet.controlplane.agent_server import MALFORMED, OVERSIZED, AgentServicer
 from fleet.controlplane.control_server import ControlServicer
 from fleet.controlplane.errors import ConfigError, UnavailableError
 from fleet.proto import agent_pb2, control_pb2_grpc
+from fleet.proto.contract import AGENT_SERVICE, CONNECT_METHOD, CONTROL_SERVICE
+from fleet.proto.tls import TlsFileError, TlsFiles, server_credentials
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 GRPC_LIMIT_FACTOR = 4
@@ -46,7 +47,7 @@ def _agent_service(servicer: AgentServicer, max_message_bytes: int) -> grpc.Gene
     connect = grpc.stream_stream_rpc_method_handler(
         servicer.Connect, request_deserializer=parse,
         response_serializer=agent_pb2.ControllerMessage.SerializeToString)
-    return grpc.method_handlers_generic_handler("fleet.v1.AgentService", {"Connect": connect})
+    return grpc.method_handlers_generic_handler(AGENT_SERVICE, {CONNECT_METHOD: connect})
 
 
 class ControllerServer:
@@ -91,7 +92,7 @@ class ControllerServer:
 
     def start(self) -> ControllerServer:
         self._server.start()
-        for service in ("", "fleet.v1.AgentService", "fleet.v1.ControlService"):
+        for service in ("", AGENT_SERVICE, CONTROL_SERVICE):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from fleet.agent.tls import TlsFiles
 from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
 from fleet.controlplane.control_server import ControlServicer
 from fleet.controlplane.errors import NotFoundError
@@ -16,6 +15,7 @@ from fleet.controlplane.grpc_server import ControllerServer
 from fleet.controlplane.store import Store
 from fleet.proto import control_pb2, events_pb2
 from fleet.proto.kinds import FaultKind
+from fleet.proto.tls import TlsFiles
 
 TOKEN = "test-token-0123456789"
 

@@ -13,6 +13,7 @@ from fleet.agent.node_agent import NodeAgent
 from fleet.controlplane.agent_server import AgentRegistry
 from fleet.controlplane.lifecycle import JobState
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto.contract import TOKEN_METADATA_KEY
 from fleet.proto.kinds import FaultKind
 from tests.component.conftest import TOKEN, start_server
 
@@ -161,13 +162,13 @@ def test_unauthenticated_agents_are_refused(controller) -> None:  # noqa: ANN001
     with grpc.insecure_channel(controller.address) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         hello = agent_pb2.AgentMessage(hello=agent_pb2.Hello(agent_id="x", node_name="evil", token="nope"))
-        for metadata in ((("x-fleet-token", "wrong"),), ()):
+        for metadata in (((TOKEN_METADATA_KEY, "wrong"),), ()):
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Connect(iter([hello]), metadata=metadata, timeout=5))
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # right metadata, wrong token inside the Hello
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Connect(iter([hello]), metadata=(("x-fleet-token", TOKEN),), timeout=5))
+            list(stub.Connect(iter([hello]), metadata=((TOKEN_METADATA_KEY, TOKEN),), timeout=5))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert controller.registry.connected_nodes() == set()
     assert all(n.name != "evil" for n in controller.store.list_nodes())
@@ -185,7 +186,7 @@ def test_first_message_must_be_hello(controller) -> None:  # noqa: ANN001
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         batch = agent_pb2.AgentMessage(batch=agent_pb2.EventBatch(agent_id="a", epoch=1, seq=1))
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Connect(iter([batch]), metadata=(("x-fleet-token", TOKEN),), timeout=5))
+            list(stub.Connect(iter([batch]), metadata=((TOKEN_METADATA_KEY, TOKEN),), timeout=5))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -27,6 +27,7 @@ from fleet.controlplane.store import Store
 from fleet.controlplane.store.ingest import COLLECTIVE_COLUMNS, InvalidBatch, prepare
 from fleet.controlplane.store.schema import Collective
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto.contract import CONNECT_METHOD_PATH, TOKEN_METADATA_KEY
 from tests import ingest_controller
 from tests.component.conftest import TOKEN, start_server
 from fleet.workers.reporter import Reporter
@@ -273,15 +274,15 @@ def test_large_batches_are_stored_and_oversized_messages_refused_and_counted(sto
                 agent_id="x", epoch=1, seq=1, events=[_block(big)] * 8))
             assert huge.ByteSize() > 16 << 20
             with pytest.raises(grpc.RpcError) as err:
-                list(stub.Connect(iter([hello, huge]), metadata=(("x-fleet-token", TOKEN),), timeout=30))
+                list(stub.Connect(iter([hello, huge]), metadata=((TOKEN_METADATA_KEY, TOKEN),), timeout=30))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            garbage = channel.stream_stream("/fleet.v1.AgentService/Connect",
+            garbage = channel.stream_stream(CONNECT_METHOD_PATH,
                                             request_serializer=lambda b: b, response_deserializer=lambda b: b)
             with pytest.raises(grpc.RpcError) as err:
-                list(garbage(iter([b"\xff\x00\xfe not a protobuf"]), metadata=(("x-fleet-token", TOKEN),), timeout=5))
+                list(garbage(iter([b"\xff\x00\xfe not a protobuf"]), metadata=((TOKEN_METADATA_KEY, TOKEN),), timeout=5))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             with pytest.raises(grpc.RpcError) as err:
-                list(stub.Connect(iter([hello]), metadata=(("x-fleet-token", "nope"),), timeout=5))
+                list(stub.Connect(iter([hello]), metadata=((TOKEN_METADATA_KEY, "nope"),), timeout=5))
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         server.close()

@@ -17,7 +17,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fleet.agent.node_agent import NodeAgent
-from fleet.agent.tls import TlsFileError, TlsFiles, channel_credentials
 from fleet.controlplane import auth
 from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
 from fleet.controlplane.client import ControlClient
@@ -26,6 +25,8 @@ from fleet.controlplane.errors import ConfigError, UnavailableError
 from fleet.controlplane.grpc_server import ControllerServer
 from fleet.controlplane.lifecycle import JobState
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto.contract import TOKEN_METADATA_KEY
+from fleet.proto.tls import TlsFileError, TlsFiles, channel_credentials
 from tests.component.conftest import TOKEN, StoreJobControl, start_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -144,7 +145,7 @@ def test_a_client_presenting_no_certificate_is_refused(tls_controller, pki: Pki)
     with grpc.secure_channel(tls_controller.address, no_cert) as channel:
         with pytest.raises(grpc.RpcError) as err:
             list(agent_pb2_grpc.AgentServiceStub(channel).Connect(
-                iter([hello]), metadata=(("x-fleet-token", TOKEN),), timeout=5))
+                iter([hello]), metadata=((TOKEN_METADATA_KEY, TOKEN),), timeout=5))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "node-nocert" not in tls_controller.registry.connected_nodes()
     assert _serving(tls_controller.address, channel_credentials(pki.client))

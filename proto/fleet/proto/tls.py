@@ -6,8 +6,8 @@ and checks the server certificate against the address it dials (its SAN must nam
 controller's IP or host name). Without ``TlsFiles`` both sides talk plaintext, which is
 meant for loopback only.
 
-Lives in ``agent`` (it imports nothing but grpc) so that both the agent and the
-controller use the same code; the controller imports it from here.
+Lives beside the wire contract (it imports nothing but grpc) because both ends of
+every connection use it: the agent and the CLI as clients, the controller as server.
 """
 
 from __future__ import annotations
