@@ -3,8 +3,9 @@
 ``fleet up`` generates a random token, writes it to ``<state_dir>/token`` with mode
 0600, and hands it to its agents; every gRPC call carries it as metadata under
 ``fleet.proto.contract.TOKEN_METADATA_KEY``. ``<state_dir>/controller.json`` (also
-0600) tells other CLI commands where the running controller listens and which job it runs, and, when the controller uses mutual
-TLS, which CA and client certificate/key files the CLI connects with.
+0600) tells other CLI commands where the running controller listens and which job it
+runs, and, when the controller uses mutual TLS, which CA and client certificate/key
+files the CLI connects with.
 """
 
 from __future__ import annotations
