@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from fleet.controlplane.detectors import Incident, RestartDecision, attribute_failures, decide_restart
+from fleet.proto.kinds import IncidentKind
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -365,3 +366,21 @@ def test_detect_config_defaults_and_ordering() -> None:
         parse_cluster_yaml("detect: {interval_s: 2.0, hang_floor_s: 1.0}")
     with pytest.raises(ConfigError, match=r"detect.straggler_steps"):
         parse_cluster_yaml("detect: {straggler_steps: 0}")
+
+
+# -- kinds ------------------------------------------------------------------------------------
+
+def test_an_incident_kind_is_an_incident_kind_enum_and_an_unknown_one_is_refused() -> None:
+    inc = Incident("node_loss", "node_loss", 1, "node-1", "gone")
+    assert inc.kind is IncidentKind.NODE_LOSS and f"{inc.kind}" == "node_loss"
+    with pytest.raises(ValueError, match="gpu_fell_off"):
+        Incident("gpu_fell_off", "d", 0, "node-0", "")
+
+
+def test_every_detector_builds_enum_kinds() -> None:
+    died = attribute_failures([Failure(0, "node-0", True, "killed")], ["node-0"])
+    raised = attribute_failures([Failure(0, "node-0", False, "boom")], ["node-0"])
+    nan = attribute_failures([Failure(0, "node-0", False, "non-finite loss at step 1 on rank(s) [0]")],
+                             ["node-0"])
+    assert [(type(i.kind), i.kind) for i in (died, raised, nan)] == [
+        (IncidentKind, IncidentKind.CRASH), (IncidentKind, IncidentKind.ERROR), (IncidentKind, IncidentKind.NAN)]

@@ -1,4 +1,4 @@
-"""Job and attempt state machines: the full cross-product of moves against the tables."""
+"""Job, attempt and node state machines: the full cross-product of moves against the tables."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from fleet.controlplane.errors import FleetError, StateError
 from fleet.controlplane.lifecycle import (
     ATTEMPT_TRANSITIONS,
     JOB_TRANSITIONS,
+    NODE_TRANSITIONS,
     AttemptState,
     JobState,
+    NodeActor,
+    NodeState,
     check_transition,
 )
 
@@ -98,3 +101,35 @@ def test_state_error_is_a_fleet_error_with_its_exit_code() -> None:
         check_transition(J.SUCCEEDED, J.RUNNING)
     assert isinstance(info.value, StateError)
     assert info.value.exit_code == 4
+
+
+# -- nodes ------------------------------------------------------------------------------------
+
+N = NodeState
+EXPECTED_NODE = {(N.HEALTHY, N.QUARANTINED), (N.QUARANTINED, N.HEALTHY)}
+
+
+def test_node_table_matches_the_design() -> None:
+    assert set(NODE_TRANSITIONS) == set(NodeState) == {N.HEALTHY, N.QUARANTINED}
+    assert _allowed(NODE_TRANSITIONS) == EXPECTED_NODE
+    # what the store and `fleet nodes --json` show
+    assert [s.value for s in NodeState] == ["healthy", "quarantined"]
+    assert [a.value for a in NodeActor] == ["operator", "policy", "controller"]
+
+
+@pytest.mark.parametrize("old, new", sorted(EXPECTED_NODE, key=str))
+def test_allowed_node_transition_passes(old, new) -> None:
+    assert check_transition(old, new) is None
+
+
+@pytest.mark.parametrize("state", list(NodeState))
+def test_node_self_transition_raises(state) -> None:
+    with pytest.raises(StateError, match=f"{state.value} -> {state.value}"):
+        check_transition(state, state)
+
+
+@pytest.mark.parametrize("old, new", [*itertools.product(NodeState, [*JobState, *AttemptState]),
+                                      *itertools.product([*JobState, *AttemptState], NodeState)])
+def test_mixing_node_and_job_or_attempt_states_raises(old, new) -> None:
+    with pytest.raises(StateError):
+        check_transition(old, new)

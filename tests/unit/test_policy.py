@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+from pydantic import ValidationError
+
+from fleet.controlplane.config import PolicyConfig
 from fleet.controlplane.policy import decide_quarantine
+from fleet.proto.kinds import IncidentKind
 
 
 @dataclass
@@ -48,3 +53,26 @@ def test_zero_turns_automatic_quarantine_off() -> None:
     many = [Inc("crash", "node-0", float(t)) for t in range(10)]
     assert not decide_quarantine(10.0, "node-0", many, Policy(quarantine_after_incidents=0)).quarantine
     assert decide_quarantine(10.0, "node-0", many[:1], Policy(quarantine_after_incidents=1)).quarantine
+
+
+def test_the_default_kinds_are_those_that_count_for_quarantine() -> None:
+    kinds = PolicyConfig().quarantine_kinds
+    assert kinds == [k for k in IncidentKind if k.counts_for_quarantine] == ["crash", "hang"]
+    assert all(type(k) is IncidentKind for k in kinds)
+    assert PolicyConfig(quarantine_kinds=["node_loss", "crash"]).quarantine_kinds == [
+        IncidentKind.NODE_LOSS, IncidentKind.CRASH]
+
+
+def test_an_unknown_quarantine_kind_is_refused_listing_the_known_ones() -> None:
+    with pytest.raises(ValidationError) as info:
+        PolicyConfig(quarantine_kinds=["crash", "gpu_fell_off"])
+    (error,) = info.value.errors()
+    known = sorted(k.value for k in IncidentKind)
+    assert error["msg"] == f"Value error, unknown incident kind(s) ['gpu_fell_off']; known: {known}"
+
+
+def test_a_policy_config_drives_the_decision() -> None:
+    history = [Inc("crash", "node-0", 1000.0), Inc("node_loss", "node-0", 1001.0), Inc("hang", "node-0", 1002.0)]
+    assert decide_quarantine(1003.0, "node-0", history, PolicyConfig()).reason.startswith("2 incidents on node-0")
+    only_loss = PolicyConfig(quarantine_kinds=["node_loss"], quarantine_after_incidents=1)
+    assert "node_loss of rank 0" in decide_quarantine(1003.0, "node-0", history, only_loss).reason

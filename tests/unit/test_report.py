@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fleet.controlplane.lifecycle import AttemptState, JobState
 from fleet.controlplane.report import job_report
 from fleet.controlplane.store import (
@@ -13,6 +15,7 @@ from fleet.controlplane.store import (
     NodeRecord,
     StepRecord,
 )
+from fleet.proto.kinds import IncidentKind
 
 
 def _step(attempt: int, step: int, end_s: float, rank: int = 0, dur: float = 1.0) -> StepRecord:
@@ -93,3 +96,16 @@ def test_recovery_phases_attach_to_the_incident_that_ended_the_attempt() -> None
     assert (ended["restored_step"], ended["restored_from"], ended["steps_lost"], ended["reused_workers"]) == \
         (9, "memory", 1, 3)
     assert out["steps_lost"] == 1 and out["lost_s"]["detection_s"] == 0.5
+
+
+@pytest.mark.parametrize("later", list(IncidentKind))
+def test_only_a_kind_that_ends_attempts_takes_over_as_the_cause(later: IncidentKind) -> None:
+    job = JobRecord(id="j", name="demo", state=JobState.FAILED, total_steps=20, steps_completed=5,
+                    attempts=1, created_at=1000.0, ended_at=1020.0, reason="", config_json="{}")
+    attempts = [AttemptRecord("j", 1, AttemptState.FAILED, 1000.0, 1020.0, 0, 5, "crash")]
+    steps = [_step(1, k, 1000 + k) for k in range(1, 6)]
+    incidents = [IncidentRecord(1, "j", 1, IncidentKind.CRASH, 0, "node-0", "crash", "rank 0 died", 1010.0),
+                 IncidentRecord(2, "j", 1, later, 1, "node-1", "d", "later", 1012.0)]
+    out = job_report(job, attempts, steps, incidents, [], [], [], now=1020.0)
+    ended = [i["kind"] for i in out["incidents"] if i["ended_attempt"]]
+    assert ended == [later if later.ends_attempt else IncidentKind.CRASH]
