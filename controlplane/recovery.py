@@ -1,21 +1,28 @@
-"""Recovery bookkeeping: a restart's phases as they are measured, what an injected fault
-caused, and the processes a controller started (so a controller taking over after a
-crash ends exactly those). Pure functions and files; no Ray, no gRPC, no store."""
+"""Recovery: a restart's phases as they are measured, what an injected fault caused, the
+processes a controller started (so a controller taking over after a crash ends exactly
+those), and the takeover itself (``take_over``: ``fleet up --resume``). Pure functions,
+files and store rows; no Ray, no gRPC."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from fleet.controlplane import chaos
+from fleet.controlplane import auth, chaos
 from fleet.controlplane.detectors import Incident
-from fleet.controlplane.store import RecoveryRecord, WorkerStatusRecord
+from fleet.controlplane.errors import FleetError, StateError
+from fleet.controlplane.lifecycle import AttemptState, JobState
+from fleet.controlplane.store import RecoveryRecord, Store, WorkerStatusRecord
 from fleet.proto.kinds import FaultKind, IncidentKind
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -109,3 +116,51 @@ def end_leftovers(state_dir: Path, dead_pid: int) -> int:
             continue
     path.unlink(missing_ok=True)
     return ended
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """A job adopted from a dead controller: the restart in progress, and the restarts
+    counted so far (this one included)."""
+
+    recovery: PendingRecovery
+    restarts: int
+
+
+def take_over(store: Store, state_dir: Path, job_id: str) -> Takeover:
+    """Adopt ``job_id`` after its controller died: end what the dead controller left
+    running, fail its attempt with a controller-crash incident and count a restart; the
+    next attempt restores the newest valid checkpoint on disk. ``StateError`` when the
+    job has ended or its controller still runs."""
+    job = store.get_job(job_id)
+    if job.state.terminal:
+        raise StateError(f"job {job_id} is {job.state.value}; there is nothing to resume")
+    try:
+        info = auth.read_controller_info(state_dir)
+    except FleetError:
+        info = None
+    if info is not None and info.job_id == job_id and info.pid != os.getpid() and psutil.pid_exists(info.pid):
+        raise StateError(f"job {job_id} is still run by controller pid {info.pid}; stop it first "
+                         "(fleet stop) or let it finish")
+    dead_pid = info.pid if info is not None and info.job_id == job_id else 0
+    ended = end_leftovers(state_dir, dead_pid) if dead_pid else 0
+    restarts = sum(1 for a in store.actions(job_id) if a.kind == "restart")
+    attempts = store.get_attempts(job_id)
+    last = attempts[-1].number if attempts else 0
+    evidence = (f"the controller of job {job_id} (pid {dead_pid or '?'}) died; "
+                f"taken over by pid {os.getpid()}, {ended} leftover process(es) ended")
+    incident_id = store.record_incident(job_id, last, IncidentKind.CONTROLLER_CRASH.value, "resume", evidence,
+                                        rank=-1, node="")
+    span = store.step_span(job_id, last) if last else None
+    now = time.time()
+    if last and not attempts[-1].state.terminal:
+        store.set_attempt_final_step(job_id, last, span[1] if span else 0)
+        store.set_attempt_state(job_id, last, AttemptState.FAILED, evidence)
+    if job.state in (JobState.RUNNING, JobState.PLACING):
+        store.set_job_state(job_id, JobState.RESTARTING, evidence)
+    store.record_action(job_id, last, "restart", f"resumed: {evidence}")
+    log.warning("%s", evidence)
+    failed_at = span[2] / 1e9 if span else now
+    recovery = PendingRecovery(incident_id, last, failed_at, span[1] if span else 0,
+                               detect_s=max(0.0, now - failed_at), teardown_s=0.0)
+    return Takeover(recovery, restarts + 1)

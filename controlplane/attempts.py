@@ -1,0 +1,396 @@
+"""The attempts of one job: place a worker group, run it, watch it, end it, restart.
+
+``AttemptRunner.run`` loops until the job ends: choose healthy nodes (never a
+quarantined or downed one; wait, bounded, while too few), restore missing agents, place
+one process per rank (reusing survivors and spares from the pool), start the ranks and
+watch them. While an attempt runs it acts on the incidents that do not end it (agent
+loss, straggler, loss spike: record, maybe quarantine) and supervises the agents. When
+one ends it (a rank failed, a detector fired), the attempt is torn down (only what must
+die is killed), the failure attributed, the restart decided (``decide_restart``) and,
+after a backoff when attempts in a row made no step, the next attempt placed; it
+restores the newest valid checkpoint. Every state change is a store row.
+
+It also takes nodes away for chaos (``kill_node``: node-down) and owns the chaos firer
+and scheduler, whose orders are aimed at its current placement.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fleet.controlplane import chaos, launch
+from fleet.controlplane.agent_server import AgentRegistry
+from fleet.controlplane.chaos_fire import ChaosFirer
+from fleet.controlplane.config import ClusterConfig
+from fleet.controlplane.detectors import Incident, RestartDecision, attribute_failures, attribute_with_trace, \
+    decide_restart
+from fleet.controlplane.diagnosis import diagnose_attempt
+from fleet.controlplane.errors import UnavailableError
+from fleet.controlplane.job_control import LiveJob
+from fleet.controlplane.lifecycle import AttemptState, JobState, NodeActor
+from fleet.controlplane.placement import choose_nodes
+from fleet.controlplane.policy import decide_quarantine
+from fleet.controlplane.recovery import PendingRecovery, finish_recovery, note_processes
+from fleet.controlplane.runtime import Agents, NodeInfo, Pool, Runtime, Workers
+from fleet.controlplane.store import NODE_QUARANTINED, Store
+from fleet.controlplane.supervision import AgentSupervisor
+from fleet.controlplane.watchdog import Watchdog
+from fleet.proto.kinds import IncidentKind
+
+log = logging.getLogger(__name__)
+
+#: How long to keep collecting rank failures after the first one, so that the rank
+#: whose process died is seen next to the ranks that only lost their peer.
+FAILURE_SETTLE_S = 1.0
+POLL_INTERVAL_S = 0.05
+#: How long the ranks of a failed attempt get to leave their collectives by themselves
+#: (they fail fast once a peer is gone) before they are killed.
+TEARDOWN_GRACE_S = 3.0
+#: Incidents whose culprit rank is killed at once: it may be stuck in a collective.
+_STUCK_CULPRIT = frozenset({IncidentKind.HANG, IncidentKind.DESYNC, IncidentKind.STRAGGLER})
+
+
+class AttemptRunner:
+    """Runs a job's attempts on the controller's thread (see the module docstring).
+
+    ``job`` is the live state it moves from attempt to attempt; ``incidents`` is where
+    the watchdog puts what it detects; ``progress(message)`` shows what happens;
+    ``timings_s`` gets ``placement_s`` of the first attempt."""
+
+    def __init__(self, config: ClusterConfig, store: Store, job: LiveJob, *, runtime: Runtime, agents: Agents,
+                 registry: AgentRegistry, supervisor: AgentSupervisor, watchdog: Watchdog,
+                 incidents: queue.Queue[Incident], checkpoint_dir: str, progress: Callable[[str], None],
+                 timings_s: dict[str, float]) -> None:
+        self.config = config
+        self.store = store
+        self.job = job
+        self._runtime = runtime
+        self._agents = agents
+        self._registry = registry
+        self._supervisor = supervisor
+        self._watchdog = watchdog
+        self._incidents = incidents
+        self._ckpt_dir = checkpoint_dir
+        self._progress = progress
+        self._timings_s = timings_s
+        self._state_dir = Path(config.state_dir).resolve()
+        self._group: Workers | None = None  # the running attempt, for teardown and chaos
+        self._pool: Pool | None = None      # processes across attempts
+        self._fruitless = 0                 # failed attempts in a row without a step
+        self._current_step = 0
+        self.firer = ChaosFirer(job, registry, self, supervisor, checkpoint_dir)
+        self.scheduler = chaos.Scheduler(self.firer.fire, lambda: self._current_step)
+
+    # -- chaos: node-down -------------------------------------------------------------
+
+    def kill_node(self, node: str, ranks: list[int]) -> None:
+        """The node goes away: its agent and every worker process on it die at once."""
+        self._agents.kill(node)
+        group, pool = self._group, self._pool
+        if group is not None:
+            group.kill_ranks([r for r in ranks if r in group.running()])
+        if pool is not None:
+            pool.discard_node(node)
+
+    # -- teardown ------------------------------------------------------------------------
+
+    def kill_workers(self) -> None:
+        """Kill the running attempt's ranks (teardown)."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.kill()
+
+    def close_pool(self) -> None:
+        """Kill the spare and surviving processes (teardown)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    # -- the attempts --------------------------------------------------------------------
+
+    def run(self, nodes: list[NodeInfo], recovery: PendingRecovery | None) -> tuple[JobState, str]:
+        """Attempts until the job ends; returns its end state and why."""
+        cfg, job = self.config, self.job
+        pool = self._pool = self._runtime.pool(cfg.job.spare_workers_per_node)
+        first = recovery is None  # a resumed job has had its first attempt
+        while True:
+            t_place = time.monotonic()
+            self.store.set_job_state(job.job_id, JobState.PLACING, "placing worker group")
+            chosen = self._healthy_nodes(nodes)
+            if chosen is None:
+                return JobState.STOPPED, job.stop_reason
+            self._restore_agents(chosen)
+            placement = [n for n in chosen for _ in range(cfg.job.ranks_per_node)]
+            attempt = self.store.create_attempt(job.job_id)
+            actors, reused = pool.acquire(placement)
+            group = self._group = self._runtime.workers(placement, actors)
+            master_addr = self._master_addr(placement)
+            try:
+                pids = group.pids(timeout_s=120)
+                port = group.rendezvous_port(master_addr, timeout_s=30)
+            except Exception as exc:
+                group.kill()
+                raise UnavailableError(f"worker group could not be placed: {exc}") from None
+            job.move_to(attempt, [n.name for n in placement])
+            for rank, (node, pid) in enumerate(zip(placement, pids, strict=True)):
+                self.store.record_rank(job.job_id, attempt, rank, node.name, pid)
+            specs = launch.worker_specs(
+                cfg, job_id=job.job_id, attempt=attempt, placement=placement, port=port,
+                checkpoint_dir=self._ckpt_dir, local_addresses=self._agents.local_addresses,
+                master_addr=master_addr)
+            self._watchdog.watch(attempt, [n.name for n in placement])
+            group.run(specs)
+            t_run = time.time()
+            pool.fill_spares(chosen)  # replacements warm up while this attempt starts
+            self.store.set_attempt_state(job.job_id, attempt, AttemptState.RUNNING, "worker group running")
+            self.store.set_job_state(job.job_id, JobState.RUNNING, f"attempt {attempt} running")
+            if first:
+                self._timings_s["placement_s"] = time.monotonic() - t_place
+                first = False
+                for order in cfg.chaos.orders():
+                    self.scheduler.submit(order)
+            if recovery is not None:
+                recovery.attempt, recovery.t_run, recovery.reused = attempt, t_run, reused
+                recovery.place_s += time.monotonic() - t_place
+                self.firer.rearm(recovery.last_step)
+
+            outcome = self._watch(group, attempt, recovery)
+            recovery = None
+            if outcome is None:  # every rank finished
+                self._agents.flush(timeout_s=15)
+                final = self.store.last_step(job.job_id, attempt)
+                self.store.set_attempt_final_step(job.job_id, attempt, final)
+                self.store.set_attempt_state(job.job_id, attempt, AttemptState.SUCCEEDED, "all ranks finished")
+                return JobState.SUCCEEDED, f"completed {final} steps"
+            if outcome == "stop":
+                group.kill()
+                self._agents.flush(timeout_s=5)
+                self.store.set_attempt_state(job.job_id, attempt, AttemptState.STOPPED, job.stop_reason)
+                return JobState.STOPPED, job.stop_reason
+
+            recovery, decision = self._end_attempt(group, attempt, outcome)
+            if not decision.restart:
+                return JobState.FAILED, decision.reason
+            job.restarts += 1
+            self.store.record_action(job.job_id, attempt, "restart", decision.reason)
+            self.store.set_job_state(job.job_id, JobState.RESTARTING, decision.reason)
+            self._progress(decision.reason)
+            # after an attempt that made progress: at once; after attempts that failed before
+            # their first step: restart_backoff_s, doubling each time
+            backoff = 0.0 if self._fruitless == 0 else \
+                min(60.0, cfg.job.restart_backoff_s * 2 ** (self._fruitless - 1))
+            t = time.monotonic()
+            if backoff and job.stopping.wait(backoff):
+                return JobState.STOPPED, job.stop_reason
+            recovery.place_s = time.monotonic() - t
+
+    def _master_addr(self, placement: list[NodeInfo]) -> str:
+        """Rendezvous host: rank 0's node (always loopback for the local cluster)."""
+        return "127.0.0.1" if self.config.ray.address is None else placement[0].address
+
+    def _watch(self, group: Workers, attempt: int, recovery: PendingRecovery | None) -> Incident | str | None:
+        """Block until the attempt ends: None = success, "stop", or the Incident that
+        ends it. Meanwhile: act on incidents that do not end it (agent loss, straggler,
+        loss spike), finish timing a recovery once its first step lands, show progress."""
+        job = self.job
+        next_tick = next_note = 0.0
+        while True:
+            failures = group.poll(POLL_INTERVAL_S)
+            if failures:
+                settle = time.monotonic() + FAILURE_SETTLE_S
+                while not group.finished and time.monotonic() < settle:
+                    failures += group.poll(0.05)
+                incident = attribute_failures(failures, [n.name for n in group.placement])
+                log.warning("attempt %d failed: %s", attempt, incident.evidence)
+                return incident
+            if group.finished:
+                return None
+            if job.stopping.is_set():
+                return "stop"
+            try:
+                incident = self._incidents.get_nowait()
+            except queue.Empty:
+                incident = None
+            if incident is not None:
+                if IncidentKind(incident.kind).ends_attempt:
+                    log.warning("attempt %d: %s", attempt, incident.evidence)
+                    return incident
+                ended = self._side_incident(incident, attempt, group)
+                if ended is not None:
+                    return ended
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + 0.5
+                self._supervisor.check(attempt)
+                if now >= next_note:  # the process tree changes only when processes start
+                    next_note = now + 5.0
+                    note_processes(self._state_dir)
+                span = self.store.step_span(job.job_id, attempt)
+                self._current_step = span[1] if span else self._current_step
+                if recovery is not None and span is not None:
+                    self._record_recovery(recovery, span)
+                    recovery = None
+                self._progress("training")
+
+    def _side_incident(self, incident: Incident, attempt: int, group: Workers) -> Incident | None:
+        """Record an incident that does not end the attempt by itself; returns an
+        incident that ends it after all (its node was quarantined), else None."""
+        self.store.record_incident(self.job.job_id, attempt, incident.kind, incident.detector, incident.evidence,
+                                   rank=incident.rank, node=incident.node)
+        log.warning("attempt %d: %s", attempt, incident.evidence)
+        self._progress(f"{incident.kind} on {incident.node or '?'}: {incident.evidence}")
+        if self._maybe_quarantine(incident.node, attempt) and incident.node in {n.name for n in group.placement}:
+            return Incident(incident.kind, incident.detector, incident.rank, incident.node,
+                            f"{incident.node} quarantined; moving off it. {incident.evidence}")
+        return None
+
+    def _end_attempt(self, group: Workers, attempt: int,
+                     incident: Incident) -> tuple[PendingRecovery, RestartDecision]:
+        """Tear down a failed attempt and record why; returns (recovery so far, decision).
+
+        Only what must die is killed: the culprit of a hang (a rank stuck in gloo never
+        returns) and whatever is still running after the grace. Ranks whose ``run`` ended
+        go back to the pool with their in-memory snapshots."""
+        job_id = self.job.job_id
+        t_detect, t0 = time.time(), time.monotonic()
+        assert self._pool is not None
+        self._watchdog.pause()
+        while not self._incidents.empty():  # fired before the pause: about this attempt, now moot
+            self._incidents.get_nowait()
+        kind = IncidentKind(incident.kind)
+        if incident.rank >= 0 and incident.rank in group.running() and kind in _STUCK_CULPRIT:
+            group.kill_ranks([incident.rank])
+        if kind is IncidentKind.NODE_LOSS and incident.node:
+            group.kill_ranks([r for r in group.running() if group.placement[r].name == incident.node])
+        group.wind_down(TEARDOWN_GRACE_S)
+        if kind is IncidentKind.ERROR:  # let the traces name the culprit: they must be in the store
+            self._agents.flush(timeout_s=5)
+            incident = self._attribute_by_trace(incident, attempt)
+        incident = self._node_lost(incident, group)
+        teardown_s = time.monotonic() - t0
+        incident_id = self.store.record_incident(
+            job_id, attempt, incident.kind, incident.detector, incident.evidence,
+            rank=incident.rank, node=incident.node, detected_at=t_detect,
+        )
+        self._maybe_quarantine(incident.node, attempt)
+        self._pool.release(group.survivors())
+        undecided = self.firer.forget_caused(incident)  # it fired: never re-arm it
+        if undecided and IncidentKind(incident.kind) is not IncidentKind.ERROR:
+            # which armed faults the attempt reached is read from its steps: let the
+            # survivors' last reports reach the store first
+            self._agents.flush(timeout_s=2)
+        span = self.store.step_span(job_id, attempt)
+        last_step = span[1] if span else 0
+        failed_at = span[2] / 1e9 if span else t_detect
+        self.store.set_attempt_final_step(job_id, attempt, last_step)
+        self.store.set_attempt_state(job_id, attempt, AttemptState.FAILED, incident.evidence)
+        # failures in a row without a single step back off; one after progress does not
+        self._fruitless = 0 if span is not None else self._fruitless + 1
+        decision = decide_restart(self.job.restarts, self.config.job.max_restarts, incident)
+        recovery = PendingRecovery(incident_id, attempt, failed_at, last_step,
+                                   detect_s=max(0.0, t_detect - failed_at), teardown_s=teardown_s)
+        return recovery, decision
+
+    def _node_lost(self, incident: Incident, group: Workers) -> Incident:
+        """A crash that took every rank of a node together with its agent is a node loss."""
+        if IncidentKind(incident.kind) is not IncidentKind.CRASH or not incident.node:
+            return incident
+        on_node = [r for r, n in enumerate(group.placement) if n.name == incident.node]
+        agent_gone = incident.node not in self._registry.connected_nodes()
+        if agent_gone and on_node and all(r in group.died or r in group.killed for r in on_node):
+            return Incident(IncidentKind.NODE_LOSS, "node_loss", incident.rank, incident.node,
+                            f"{incident.node} lost: its agent and all its ranks {on_node} are gone; "
+                            + incident.evidence)
+        return incident
+
+    def _restore_agents(self, chosen: list[NodeInfo]) -> None:
+        """Start a new agent on every chosen node whose agent is gone."""
+        connected = self._registry.connected_nodes()
+        attempt = self.job.attempt
+        for node in chosen:
+            if node.name in connected:
+                continue
+            if not self._supervisor.is_lost(node.name) and attempt:  # lost between attempts
+                self.store.record_incident(self.job.job_id, attempt, IncidentKind.AGENT_LOSS, "heartbeat",
+                                           f"agent on {node.name} is gone (found before placing the next "
+                                           "attempt)", rank=-1, node=node.name)
+            self._progress(f"restarting the agent on {node.name}")
+            self._agents.restart(node.name)
+            missing = self._registry.wait_for({node.name}, self.config.controller.agent_start_timeout_s)
+            if missing:
+                raise UnavailableError(f"the agent on {node.name} did not reconnect after a restart")
+            self._supervisor.restored(node.name)
+            self.store.record_action(self.job.job_id, attempt, "restart_agent", f"agent on {node.name} restarted")
+
+    def _healthy_nodes(self, nodes: list[NodeInfo]) -> list[NodeInfo] | None:
+        """The nodes of the next attempt: never a quarantined one. Waits (bounded by
+        ``job.capacity_wait_s``, showing why) while too few are healthy; None if stopped."""
+        wait_s = self.config.job.capacity_wait_s
+        deadline = time.monotonic() + wait_s
+        shown = ""
+        while True:
+            quarantined = {n.name: n.quarantine_reason for n in self.store.list_nodes()
+                           if n.state == NODE_QUARANTINED}
+            down = self._supervisor.down_nodes(time.monotonic())
+            job = self.config.job
+            decision = choose_nodes([n.name for n in nodes], quarantined, job.nodes, down,
+                                    minimum=job.min_nodes if 0 < job.min_nodes < job.nodes else None)
+            if decision.nodes:
+                by_name = {n.name: n for n in nodes}
+                if decision.reason:  # shrunk: fewer data-parallel ranks this attempt
+                    self.store.record_action(self.job.job_id, self.job.attempt, "shrink", decision.reason)
+                    self._progress(decision.reason)
+                return [by_name[name] for name in decision.nodes]
+            if time.monotonic() >= deadline:
+                raise UnavailableError(f"{decision.reason}; waited {wait_s:.0f} s (job.capacity_wait_s)")
+            if decision.reason != shown:
+                shown = decision.reason
+                self.store.set_job_reason(self.job.job_id, f"waiting: {decision.reason}")
+                self._progress(f"waiting for healthy nodes: {decision.reason} (fleet release NODE)")
+            if self.job.stopping.wait(1.0):
+                return None
+
+    def _maybe_quarantine(self, node: str | None, attempt: int) -> bool:
+        """Quarantine ``node`` when the policy says its incidents point at the hardware."""
+        if not node:
+            return False
+        policy, now = self.config.policy, time.time()
+        history = self.store.incidents_on_node(node, now - policy.quarantine_window_s)
+        decision = decide_quarantine(now, node, history, policy)
+        if decision.quarantine:
+            self.store.quarantine_node(node, decision.reason, actor=NodeActor.POLICY, job_id=self.job.job_id)
+            self.store.record_action(self.job.job_id, attempt, "quarantine", decision.reason)
+            self._progress(f"quarantined {node}: {decision.reason}")
+            if self._pool is not None:
+                self._pool.discard_node(node)
+        return decision.quarantine
+
+    def _attribute_by_trace(self, incident: Incident, attempt: int) -> Incident:
+        """Let the attempt's collective traces name the culprit when no process died."""
+        if IncidentKind(incident.kind) is not IncidentKind.ERROR:
+            return incident
+        try:
+            _, diagnosis = diagnose_attempt(self.store, self.job.job_id, attempt)
+        except Exception:  # noqa: BLE001 - attribution must not take the controller down
+            log.exception("desync diagnosis of attempt %d failed", attempt)
+            return incident
+        nodes = self.job.position()[1]
+        refined = attribute_with_trace(incident, diagnosis.verdict, diagnosis.culprit_ranks,
+                                       diagnosis.summary, nodes)
+        if refined is not incident:
+            log.warning("attempt %d: the flight recorder blames rank %d: %s", attempt, refined.rank,
+                        diagnosis.summary)
+        return refined
+
+    def _record_recovery(self, r: PendingRecovery, span: tuple[int, int, int]) -> None:
+        """The new attempt made its first step: store the recovery's phases."""
+        rec = finish_recovery(self.job.job_id, r, span, self.store.worker_status(self.job.job_id, r.attempt))
+        self.store.record_recovery(rec)
+        log.info("recovered in %.2f s (detect %.2f, teardown %.2f, place %.2f, pg %.2f, restore %.2f, "
+                 "first step %.2f); restored step %d from %s, %d step(s) lost, %d process(es) reused",
+                 rec.total_s, rec.detect_s, rec.teardown_s, rec.place_s, rec.pg_init_s, rec.restore_s,
+                 rec.first_step_s, rec.restored_step, rec.restored_from, rec.steps_lost, rec.reused_workers)
