@@ -296,12 +296,13 @@ class Store:
         now = time.time()
         identity = {"ray_node_id": ray_node_id, "hostname": hostname,
                     "resources_json": resources_json, "last_seen": now}
-        # Insert-or-nothing first, so exactly one registrant (rowcount 1) writes the first row.
+        # Insert-or-nothing first, so exactly one registrant (the one that gets its row back)
+        # writes the first history row; rowcount is not reliable here on every driver.
         insert = upsert(self.dialect, Node.__table__, ["name"], None).values(
             name=name, state=NodeState.HEALTHY.value, quarantine_reason="", quarantined_since=None,
-            **identity)
+            **identity).returning(Node.__table__.c.name)
         with self._tx(write=True) as s:
-            if s.execute(insert).rowcount == 1:
+            if s.execute(insert).first() is not None:
                 s.add(NodeTransition(node=name, from_state=None, to_state=NodeState.HEALTHY.value,
                                      reason="registered", actor=NodeActor.CONTROLLER.value,
                                      job_id=None, at=now))
@@ -362,10 +363,11 @@ class Store:
             return [self._node_transition_record(r) for r in rows]
 
     def last_node_transitions(self) -> dict[str, NodeTransitionRecord]:
-        """Each node's latest state change, by node name."""
-        latest = (select(func.max(NodeTransition.id)).group_by(NodeTransition.node)).scalar_subquery()
+        """Each node's latest state change, by node name (in name order)."""
+        latest = select(func.max(NodeTransition.id)).group_by(NodeTransition.node).scalar_subquery()
         with self._tx(write=False) as s:
-            rows = s.scalars(select(NodeTransition).where(NodeTransition.id.in_(latest))).all()
+            rows = s.scalars(select(NodeTransition).where(NodeTransition.id.in_(latest))
+                             .order_by(NodeTransition.node)).all()
             return {r.node: self._node_transition_record(r) for r in rows}
 
     @staticmethod
@@ -569,13 +571,19 @@ class Store:
             row = s.scalars(stmt.order_by(Checkpoint.step.desc()).limit(1)).first()
             return None if row is None else self._checkpoint_record(row)
 
-    def invalidate_checkpoint(self, job_id: str, step: int) -> None:
-        """Mark a checkpoint invalid (failed validation, or saved after corruption)."""
+    def invalidate_checkpoint(self, job_id: str, step: int, reason: str = "",
+                              attempt: int | None = None) -> None:
+        """Mark a checkpoint invalid (it failed manifest verification, was corrupted, or was
+        saved after corruption) and record ``reason`` as a ``ckpt_invalid`` action of
+        ``attempt`` (default: the attempt that saved it). The manifest on disk is the
+        truth; this keeps the store's flag, which replay and report show, in step with it."""
         with self._tx(write=True) as s:
-            res = s.execute(update(Checkpoint).where(Checkpoint.job_id == job_id,
-                                                     Checkpoint.step == step).values(valid=False))
-            if res.rowcount == 0:
+            row = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id,
+                                                     Checkpoint.step == step)).first()
+            if row is None:
                 raise NotFoundError(f"checkpoint of job {job_id!r} at step {step} not found")
+            ingest.invalidate_checkpoint(s, job_id, row.attempt if attempt is None else attempt, step,
+                                         reason or "marked invalid", time.time())
 
     # -- telemetry queries ----------------------------------------------------------------
 

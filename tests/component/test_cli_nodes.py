@@ -45,3 +45,26 @@ def test_bad_quarantine_requests_are_one_line_errors(store_url: str, capsys: pyt
     assert main(["quarantine", "node-7", "--reason", "  ", "--store", store_url]) == ConfigError.exit_code
     assert "--reason" in capsys.readouterr().err
     assert main(["release", "node-7", "--store", store_url]) == NotFoundError.exit_code
+
+
+def test_operator_moves_are_in_the_node_history(store_url: str, capsys: pytest.CaptureFixture) -> None:
+    with Store(store_url) as st:
+        st.upsert_node("node-1", "ray-node-1", "127.0.0.1", "{}")
+    assert main(["quarantine", "node-1", "--reason", "bad GEMM", "--store", store_url]) == 0
+    # again: the first reason is kept, the output shows it, nothing new is stored
+    assert main(["quarantine", "node-1", "--reason", "still bad", "--store", store_url]) == 0
+    assert "quarantined since" in capsys.readouterr().out.splitlines()[-1]
+    last = _nodes(capsys, store_url)["node-1"]["last_transition"]
+    assert {k: last[k] for k in ("from_state", "to_state", "reason", "actor", "job_id")} == {
+        "from_state": "healthy", "to_state": "quarantined", "reason": "bad GEMM", "actor": "operator",
+        "job_id": None}
+    assert main(["release", "node-1", "--reason", "GEMM passes again", "--store", store_url]) == 0
+    assert "node-1 released" in capsys.readouterr().out
+    assert main(["release", "node-1", "--store", store_url]) == 0  # healthy already: a no-op
+    assert "node-1 was not quarantined" in capsys.readouterr().out
+    with Store(store_url) as st:
+        assert [(t.to_state, t.reason, t.actor) for t in st.node_history("node-1")] == [
+            ("healthy", "registered", "controller"), ("quarantined", "bad GEMM", "operator"),
+            ("healthy", "GEMM passes again", "operator")]
+    nodes = _nodes(capsys, store_url)
+    assert (nodes["node-1"]["state"], nodes["node-1"]["last_transition"]["actor"]) == ("healthy", "operator")

@@ -21,6 +21,7 @@ from sqlalchemy.engine import make_url
 
 from fleet.controlplane.cli.main import main
 from fleet.controlplane.errors import ConfigError, FleetError, UnavailableError
+from fleet.controlplane.lifecycle import NodeActor
 from fleet.controlplane.store import Store, migrate
 from fleet.controlplane.store.engine import make_engine
 from fleet.controlplane.store.schema import metadata
@@ -60,7 +61,7 @@ def test_upgrade_from_empty_reaches_head_and_matches_the_models(store_url: str,
                                                                  engine: Engine) -> None:
     assert migrate.inspect_url(store_url).state == migrate.EMPTY
     assert migrate.upgrade_url(store_url) == (None, migrate.head())
-    assert migrate.current(engine) == migrate.head() == "0003"
+    assert migrate.current(engine) == migrate.head() == "0004"
     with engine.connect() as conn:
         # Alembic misreads SQLite's DEFAULT '' as a difference; its defaults are checked below.
         ctx = MigrationContext.configure(conn, opts={
@@ -69,7 +70,7 @@ def test_upgrade_from_empty_reaches_head_and_matches_the_models(store_url: str,
         defaults = {c["name"]: c["default"] for c in inspect(conn).get_columns("nodes")}
         assert [defaults["health"].split("::")[0], defaults["health_reason"].split("::")[0]] == [
             "'unknown'", "''"]
-    assert migrate.upgrade_url(store_url) == ("0003", "0003")
+    assert migrate.upgrade_url(store_url) == ("0004", "0004")
 
 
 def test_at_head_opening_costs_one_query(store_url: str) -> None:
@@ -79,7 +80,7 @@ def test_at_head_opening_costs_one_query(store_url: str) -> None:
     event.listen(eng, "before_cursor_execute",
                  lambda _c, _cur, sql, *_a: statements.append(sql.strip().upper()))
     try:
-        assert migrate.upgrade(write) == ("0003", "0003")
+        assert migrate.upgrade(write) == ("0004", "0004")
     finally:
         eng.dispose()
     assert [s for s in statements if s not in ("BEGIN", "ROLLBACK", "COMMIT")] == [
@@ -111,7 +112,7 @@ def test_store_made_before_migrations_is_stamped_and_upgraded(store_url: str,
             "('n1', 'r1', 'h1', '{}', 'quarantined', 'bad GEMM', 5.0, 6.0)"))
     assert migrate.inspect_url(store_url).state == migrate.UNVERSIONED
 
-    assert migrate.upgrade_url(store_url) == ("0001", "0003")
+    assert migrate.upgrade_url(store_url) == ("0001", "0004")
     with Store(store_url) as store:
         job = store.get_job("j-old")
         assert (job.name, job.state.value, job.steps_completed) == ("llama", "RUNNING", 3)
@@ -121,7 +122,12 @@ def test_store_made_before_migrations_is_stamped_and_upgraded(store_url: str,
         (node,) = store.list_nodes()
         assert (node.state, node.quarantine_reason, node.health, node.health_reason) == (
             "quarantined", "bad GEMM", "unknown", "")
-    assert migrate.current(engine) == "0003"
+        # its history starts with the state it was in, by the migration, at its quarantine time
+        assert [(t.from_state, t.to_state, t.reason, t.actor, t.job_id, t.at)
+                for t in store.node_history("n1")] == [(None, "quarantined", "bad GEMM", "migration", None, 5.0)]
+        store.release_node("n1")
+        assert [t.actor for t in store.node_history("n1")] == ["migration", "operator"]
+    assert migrate.current(engine) == "0004"
 
 
 def test_store_made_before_migrations_that_lacks_a_table_is_refused(store_url: str,
@@ -213,19 +219,19 @@ def test_concurrent_first_opens_from_processes(store_url: str, tmp_path: Path) -
 def test_fleet_db_upgrade_and_current(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["db", "current", "--url", store_url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "url": store_url, "current": None, "head": "0003", "state": "empty"}
+        "url": store_url, "current": None, "head": "0004", "state": "empty"}
 
     assert main(["db", "upgrade", "--url", store_url]) == 0
     out = capsys.readouterr().out
-    assert out.strip() == f"store {store_url} upgraded (empty) -> 0003"
+    assert out.strip() == f"store {store_url} upgraded (empty) -> 0004"
     assert main(["db", "upgrade", "--url", store_url]) == 0
-    assert capsys.readouterr().out.strip() == f"store {store_url} already at 0003 (head)"
+    assert capsys.readouterr().out.strip() == f"store {store_url} already at 0004 (head)"
 
     assert main(["db", "current", "--url", store_url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "url": store_url, "current": "0003", "head": "0003", "state": "head"}
+        "url": store_url, "current": "0004", "head": "0004", "state": "head"}
     assert main(["db", "current", "--url", store_url]) == 0
-    assert capsys.readouterr().out.strip() == f"store {store_url} at 0003 (head)"
+    assert capsys.readouterr().out.strip() == f"store {store_url} at 0004 (head)"
 
 
 def test_fleet_db_with_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -233,7 +239,7 @@ def test_fleet_db_with_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixt
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(f"name: demo\nstore:\n  url: {url}\n")
     assert main(["db", "upgrade", "--cluster", str(cluster)]) == 0
-    assert capsys.readouterr().out.strip() == f"store {url} upgraded (empty) -> 0003"
+    assert capsys.readouterr().out.strip() == f"store {url} upgraded (empty) -> 0004"
 
 
 @pytest.mark.parametrize("url, code", [
@@ -250,3 +256,46 @@ def test_fleet_db_with_a_bad_url(verb: str, url: str, code: int,
     assert len(lines) == 1, lines
     assert url.split("@")[-1] in lines[0] and "s3cret" not in lines[0]
     assert "Traceback" not in out + err
+
+
+REVISIONS = ["0001", "0002", "0003"]
+
+
+@pytest.mark.parametrize("start", REVISIONS)
+def test_upgrade_from_every_revision_keeps_nodes_and_starts_their_history(
+        store_url: str, engine: Engine, start: str) -> None:
+    assert REVISIONS + [migrate.head()] == [f"{i:04d}" for i in range(1, len(REVISIONS) + 2)]
+    _alembic_upgrade(engine, start)
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO nodes (name, ray_node_id, hostname, resources_json, state, "
+            "quarantine_reason, quarantined_since, last_seen) VALUES "
+            "('n0', 'r0', 'h0', '{}', 'healthy', '', NULL, 7.0), "
+            "('n1', 'r1', 'h1', '{}', 'quarantined', 'bad GEMM', 5.0, 6.0)"))
+    assert migrate.upgrade_url(store_url) == (start, migrate.head())
+    assert "node_transitions" in inspect(engine).get_table_names()
+    with Store(store_url) as store:
+        assert [(n.name, n.state, n.quarantine_reason) for n in store.list_nodes()] == [
+            ("n0", "healthy", ""), ("n1", "quarantined", "bad GEMM")]
+        assert {name: [(t.from_state, t.to_state, t.reason, t.actor, t.at) for t in store.node_history(name)]
+                for name in ("n0", "n1")} == {
+            "n0": [(None, "healthy", "registered before node history was kept", "migration", 7.0)],
+            "n1": [(None, "quarantined", "bad GEMM", "migration", 5.0)]}
+        store.upsert_node("n2", "r2", "h2", "{}")
+        assert store.quarantine_node("n0", "crashes", actor=NodeActor.POLICY, job_id="j-1")
+        assert [(t.node, t.to_state, t.actor, t.job_id) for t in store.last_node_transitions().values()] == [
+            ("n0", "quarantined", "policy", "j-1"), ("n1", "quarantined", "migration", None),
+            ("n2", "healthy", "controller", None)]
+
+
+def test_downgrade_from_head_drops_node_history_only(store_url: str, engine: Engine) -> None:
+    with Store(store_url) as store:
+        store.upsert_node("n0", "r0", "h0", "{}")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrate.MIGRATIONS_DIR))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0003")
+    assert "node_transitions" not in inspect(engine).get_table_names()
+    assert _scalar(engine, "SELECT count(*) FROM nodes") == 1
+    assert migrate.upgrade_url(store_url) == ("0003", migrate.head())

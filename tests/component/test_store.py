@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from fleet.controlplane.errors import ConfigError, FleetError, NotFoundError, StateError
-from fleet.controlplane.lifecycle import AttemptState, JobState
+from fleet.controlplane.lifecycle import AttemptState, JobState, NodeActor, NodeState
 from fleet.controlplane.store import RecoveryRecord, Store
 from fleet.proto import events_pb2 as pb
+from fleet.proto.kinds import IncidentKind
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -440,3 +441,64 @@ def test_step_span_and_recoveries(store: Store, job: str) -> None:
     assert store.recoveries("j-none") == []
     with pytest.raises(NotFoundError):
         store.record_recovery(RecoveryRecord(**{**rec.__dict__, "job_id": "j-none"}))
+
+
+# -- node lifecycle and history --------------------------------------------------------------
+
+def test_every_node_state_change_is_stored_with_who_and_why(store: Store, job: str) -> None:
+    store.upsert_node("n1", "ray-1", "host1", "{}")
+    store.upsert_node("n1", "ray-1b", "host1", "{}")  # re-registering is no state change
+    assert store.quarantine_node("n1", "2 crashes in 600 s", actor=NodeActor.POLICY, job_id=job) is True
+    # already quarantined: the first reason stays and nothing is written
+    assert store.quarantine_node("n1", "operator says bad GPU") is False
+    (n1,) = store.list_nodes()
+    assert (n1.state, n1.quarantine_reason) == (NodeState.QUARANTINED, "2 crashes in 600 s")
+    assert store.release_node("n1", reason="GPU replaced") is True
+    assert store.release_node("n1") is False  # healthy already: nothing to release
+    history = store.node_history("n1")
+    assert [(t.from_state, t.to_state, t.reason, t.actor, t.job_id) for t in history] == [
+        (None, "healthy", "registered", "controller", None),
+        ("healthy", "quarantined", "2 crashes in 600 s", "policy", job),
+        ("quarantined", "healthy", "GPU replaced", "operator", None),
+    ]
+    assert history[1].at == n1.quarantined_since
+    assert history[0].at <= history[1].at <= history[2].at
+    assert store.node_history("n9") == []
+    assert store.last_node_transitions() == {"n1": history[-1]}
+    for verb in (lambda: store.quarantine_node("n9", "x"), lambda: store.release_node("n9")):
+        with pytest.raises(NotFoundError, match="n9"):
+            verb()
+    assert store.node_history("n9") == []
+
+
+def test_a_node_moved_concurrently_is_moved_once(store: Store) -> None:
+    store.upsert_node("n1", "ray-1", "host1", "{}")
+    n = 4
+    barrier = threading.Barrier(n, timeout=30)
+    moved: list[bool] = []
+
+    def quarantine(i: int) -> None:
+        barrier.wait()
+        moved.append(store.quarantine_node("n1", f"reason {i}", actor=NodeActor.POLICY))
+
+    threads = [threading.Thread(target=quarantine, args=(i,), name=f"quarantine-{i}") for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads)
+    assert sorted(moved) == [False] * (n - 1) + [True]
+    history = store.node_history("n1")
+    assert [t.to_state for t in history] == ["healthy", "quarantined"]
+    assert store.list_nodes()[0].quarantine_reason == history[1].reason
+
+
+def test_incident_kinds_are_validated_and_read_back_as_enums(store: Store, job: str) -> None:
+    store.record_incident(job, 1, IncidentKind.NODE_LOSS, "node_loss", "gone", rank=0, node="n1")
+    store.record_incident(job, 1, "agent_loss", "heartbeat", "silent", rank=-1, node="n1")
+    with pytest.raises(ValueError, match=r"unknown incident kind 'gpu_fell_off'; known: crash, error"):
+        store.record_incident(job, 1, "gpu_fell_off", "d", "e")
+    kinds = [i.kind for i in store.incidents(job)]
+    assert kinds == [IncidentKind.NODE_LOSS, IncidentKind.AGENT_LOSS]
+    assert all(type(k) is IncidentKind for k in kinds)
+    assert [i.kind for i in store.incidents_on_node("n1", 0.0)] == kinds
