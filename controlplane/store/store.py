@@ -571,19 +571,13 @@ class Store:
             row = s.scalars(stmt.order_by(Checkpoint.step.desc()).limit(1)).first()
             return None if row is None else self._checkpoint_record(row)
 
-    def invalidate_checkpoint(self, job_id: str, step: int, reason: str = "",
-                              attempt: int | None = None) -> None:
-        """Mark a checkpoint invalid (it failed manifest verification, was corrupted, or was
-        saved after corruption) and record ``reason`` as a ``ckpt_invalid`` action of
-        ``attempt`` (default: the attempt that saved it). The manifest on disk is the
-        truth; this keeps the store's flag, which replay and report show, in step with it."""
+    def invalidate_checkpoint(self, job_id: str, step: int) -> None:
+        """Mark a checkpoint invalid (failed validation, or saved after corruption)."""
         with self._tx(write=True) as s:
-            row = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id,
-                                                     Checkpoint.step == step)).first()
-            if row is None:
+            res = s.execute(update(Checkpoint).where(Checkpoint.job_id == job_id,
+                                                     Checkpoint.step == step).values(valid=False))
+            if res.rowcount == 0:
                 raise NotFoundError(f"checkpoint of job {job_id!r} at step {step} not found")
-            ingest.invalidate_checkpoint(s, job_id, row.attempt if attempt is None else attempt, step,
-                                         reason or "marked invalid", time.time())
 
     # -- telemetry queries ----------------------------------------------------------------
 
