@@ -82,7 +82,7 @@ ACTION_KINDS = frozenset({"restart", "quarantine", "release", "rollback", "stop"
                           "restart_agent", "shrink"})
 SDC_KINDS = ingest.SDC_KINDS
 DROP_SOURCES = frozenset({"agent", "controller"})
-NODE_HEALTHY = NodeState.HEALTHY
+#: kept as a name: the controller compares node states with it
 NODE_QUARANTINED = NodeState.QUARANTINED
 
 
