@@ -41,6 +41,7 @@ from pathlib import Path
 import grpc
 
 from fleet.agent.host import host_metrics
+from fleet.agent.settings import AgentSettings
 from fleet.agent.uplink import Uplink
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from fleet.proto.kinds import FaultKind
@@ -134,28 +135,24 @@ class NodeAgent:
         node_name: str,
         controller_address: str,
         token: str,
+        settings: AgentSettings | None = None,
         ray_node_id: str = "",
         bind_host: str = "127.0.0.1",
         local_port: int = 0,
-        batch_max_events: int = 2000,
-        batch_max_bytes: int = 1 << 20,
-        batch_interval_s: float = 0.2,
-        heartbeat_interval_s: float = 1.0,
-        memory_max_bytes: int = 64 << 20,
-        spill_dir: str | Path | None = None,
-        spill_max_bytes: int = 1 << 30,
-        max_message_bytes: int = 16 << 20,
         tls: TlsFiles | None = None,
         on_ack: Callable[[int, int], None] | None = None,
         die: Callable[[], None] = _sigkill_self,
     ) -> None:
         """``local_port``: where workers report (0: any free port; a restarted agent
-        passes its predecessor's). ``spill_dir`` None: ``<system temp>/fleet-spill-<uid>``;
-        the agent spills under ``<spill_dir>/<agent_id>/`` (created, mode 0700). ``tls``:
+        passes its predecessor's). ``settings``: batching, buffering, heartbeats (None: the
+        defaults of ``AgentSettings``); an empty ``settings.spill_dir`` means
+        ``<system temp>/fleet-spill-<uid>``, and the agent spills under
+        ``<spill_dir>/<agent_id>/`` (created, mode 0700). ``tls``:
         the CA, client certificate and key for mutual TLS to the controller (None:
         plaintext). ``on_ack(seq, n_events)``: called as each batch is committed (see
         ``Uplink``). ``die``: what the agent-down fault calls (SIGKILL to this process;
         in-process tests pass their own)."""
+        settings = settings if settings is not None else AgentSettings()
         if not 0 <= local_port <= 65535:
             raise ValueError(f"local_port must be in 0..65535, not {local_port}")
         self.node_name = node_name
@@ -181,14 +178,7 @@ class NodeAgent:
             hello=self._hello,
             on_command=self._on_command,
             heartbeat=self._heartbeat,
-            batch_max_events=batch_max_events,
-            batch_max_bytes=batch_max_bytes,
-            batch_interval_s=batch_interval_s,
-            heartbeat_interval_s=heartbeat_interval_s,
-            memory_max_bytes=memory_max_bytes,
-            spill_dir=spill_dir if spill_dir is not None else default_spill_dir(),
-            spill_max_bytes=spill_max_bytes,
-            max_message_bytes=max_message_bytes,
+            settings=settings.replace(spill_dir=settings.spill_dir or str(default_spill_dir())),
             tls=tls,
             on_ack=on_ack,
         )

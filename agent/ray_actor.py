@@ -9,19 +9,24 @@ import logging
 import os
 
 from fleet.agent.node_agent import NodeAgent
+from fleet.agent.settings import AgentSettings
+from fleet.proto.tls import TlsFiles
 
 
 class AgentActor:
     """Holds one NodeAgent for the lifetime of the actor process.
 
-    The constructor takes ``NodeAgent``'s keyword arguments. To restart a node's agent
-    after it died (the agent-down fault, a crash), start a new actor on that node with
-    ``local_port`` set to the port of the address the old one's ``start`` returned: its
-    workers keep reporting to that address and reach the new agent unchanged."""
+    The agent's tuning arrives as one ``AgentSettings`` object and goes to ``NodeAgent``
+    unchanged. To restart a node's agent after it died (the agent-down fault, a crash),
+    start a new actor on that node with ``local_port`` set to the port of the address the
+    old one's ``start`` returned: its workers keep reporting to that address and reach
+    the new agent unchanged."""
 
-    def __init__(self, **agent_kwargs: object) -> None:
+    def __init__(self, *, node_name: str, ray_node_id: str, controller_address: str, token: str,
+                 settings: AgentSettings, local_port: int, tls: TlsFiles | None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        self._agent = NodeAgent(**agent_kwargs)  # type: ignore[arg-type]
+        self._agent = NodeAgent(node_name=node_name, ray_node_id=ray_node_id, controller_address=controller_address,
+                                token=token, settings=settings, local_port=local_port, tls=tls)
 
     def start(self, connect_timeout_s: float = 30.0) -> str:
         """Start serving and connect; returns the local address workers report to."""

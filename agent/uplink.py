@@ -51,6 +51,7 @@ from pathlib import Path
 
 import grpc
 
+from fleet.agent.settings import AgentSettings
 from fleet.agent.spool import Spool
 from fleet.proto import agent_pb2, events_pb2
 from fleet.proto.contract import (
@@ -107,37 +108,34 @@ class Uplink:
         hello: agent_pb2.Hello,
         on_command: Callable[[events_pb2.Command], None],
         heartbeat: Callable[[], agent_pb2.Heartbeat],
-        batch_max_events: int = 2000,
-        batch_max_bytes: int = 1 << 20,
-        batch_interval_s: float = 0.2,
-        heartbeat_interval_s: float = 1.0,
-        memory_max_bytes: int = 64 << 20,
-        spill_dir: str | Path | None = None,
-        spill_max_bytes: int = 1 << 30,
-        max_message_bytes: int = 16 << 20,
+        settings: AgentSettings | None = None,
         reconnect_max_s: float = 2.0,
         tls: TlsFiles | None = None,
         on_ack: Callable[[int, int], None] | None = None,
     ) -> None:
-        """``spill_dir`` None: no spill, ``submit`` blocks once ``memory_max_bytes`` is
-        unacked. ``on_ack(seq, n_events)`` runs on the stream's thread after each commit."""
-        if batch_max_events < 1 or batch_max_bytes < 1:
+        """``settings``: batching, buffering, heartbeats (None: ``AgentSettings``' defaults);
+        an empty ``settings.spill_dir``: no spill, ``submit`` blocks once
+        ``memory_max_bytes`` is unacked. ``on_ack(seq, n_events)`` runs on the stream's
+        thread after each commit."""
+        settings = settings if settings is not None else AgentSettings()
+        if settings.batch_max_events < 1 or settings.batch_max_bytes < 1:
             raise ValueError("batch_max_events and batch_max_bytes must be positive")
-        if max_message_bytes <= MESSAGE_HEADROOM_BYTES:
+        if settings.max_message_bytes <= MESSAGE_HEADROOM_BYTES:
             raise ValueError(f"max_message_bytes must exceed {MESSAGE_HEADROOM_BYTES}")
+        spill_dir = settings.spill_dir or None
         self._address = controller_address
         self._token = token
         self._hello = hello
         self._hello_msg = b""   # encoded in start(): the caller may fill in the Hello until then
         self._on_command = on_command
         self._heartbeat = heartbeat
-        self._batch_max_events = batch_max_events
-        self._batch_max_bytes = batch_max_bytes
-        self._batch_interval_s = batch_interval_s
-        self._heartbeat_interval_s = heartbeat_interval_s
-        self._memory_max = memory_max_bytes
-        self._spill_max = spill_max_bytes if spill_dir is not None else 0
-        self._max_event_bytes = max_message_bytes - MESSAGE_HEADROOM_BYTES
+        self._batch_max_events = settings.batch_max_events
+        self._batch_max_bytes = settings.batch_max_bytes
+        self._batch_interval_s = settings.batch_interval_s
+        self._heartbeat_interval_s = settings.heartbeat_interval_s
+        self._memory_max = settings.memory_max_bytes
+        self._spill_max = settings.spill_max_bytes if spill_dir is not None else 0
+        self._max_event_bytes = settings.max_message_bytes - MESSAGE_HEADROOM_BYTES
         self._reconnect_max_s = reconnect_max_s
         self._credentials = channel_credentials(tls) if tls is not None else None
         self._on_ack = on_ack

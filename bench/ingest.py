@@ -112,6 +112,7 @@ def serve_controller(url: str) -> int:
 
 def serve_agent(address: str, index: int, events: int, block: int, rate: float) -> int:
     """One synthetic agent: connect, wait for "go" on stdin, submit, wait for every ack."""
+    from fleet.agent.settings import AgentSettings
     from fleet.agent.uplink import Uplink
     from fleet.proto import agent_pb2, events_pb2
 
@@ -129,7 +130,7 @@ def serve_agent(address: str, index: int, events: int, block: int, rate: float) 
     uplink = Uplink(controller_address=address, token=TOKEN, hello=hello,
                     on_command=lambda _c: None,
                     heartbeat=lambda: agent_pb2.Heartbeat(agent_id=hello.agent_id, time_ns=time.time_ns()),
-                    heartbeat_interval_s=1.0, on_ack=on_ack).start()
+                    settings=AgentSettings(heartbeat_interval_s=1.0), on_ack=on_ack).start()
     if not uplink.wait_welcomed(30):
         print(json.dumps({"error": "not welcomed"}), flush=True)
         return 1

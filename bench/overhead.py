@@ -96,11 +96,12 @@ def _serve_agent(node: str, controller: str, cfg: ClusterConfig) -> None:
     """Child: one node's NodeAgent; prints its local address, serves until stdin closes,
     then waits until everything it received is committed and prints its counters."""
     from fleet.agent.node_agent import NodeAgent
+    from fleet.agent.settings import AgentSettings
 
     agent = NodeAgent(node_name=node, controller_address=controller, token=TOKEN,
-                      batch_max_events=cfg.agent.batch_max_events,
-                      batch_interval_s=cfg.agent.batch_interval_s,
-                      heartbeat_interval_s=cfg.controller.heartbeat_interval_s)
+                      settings=AgentSettings(batch_max_events=cfg.agent.batch_max_events,
+                                             batch_interval_s=cfg.agent.batch_interval_s,
+                                             heartbeat_interval_s=cfg.controller.heartbeat_interval_s))
     address = agent.start()
     try:
         cpu0 = time.process_time()

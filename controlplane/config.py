@@ -16,17 +16,20 @@ directory. TLS files must exist when the file is parsed; they are kept as absolu
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
+from fleet.agent.settings import AGENT_SECTION_FIELDS, AgentSettings, check_batch_fits_memory
 from fleet.controlplane import chaos
 from fleet.controlplane.errors import ConfigError
 from fleet.proto.contract import MESSAGE_HEADROOM_BYTES
-from fleet.proto.tls import TlsFiles
 from fleet.proto.kinds import IncidentKind
+from fleet.proto.tls import TlsFiles
 from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs
 
 #: The embedded default, used when ``fleet up`` is given no ``--cluster``.
@@ -35,6 +38,42 @@ DEFAULT_CLUSTER_FILE = Path(__file__).resolve().parent.parent / "examples" / "lo
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _owned_fields(owner: type) -> dict[str, FieldInfo]:
+    """The field definitions of the component that owns them (a pydantic model or dataclass)."""
+    return getattr(owner, "model_fields", None) or owner.__pydantic_fields__
+
+
+def _field(owner: type, name: str) -> Any:
+    """``owner``'s definition of field ``name`` (default, bounds, description), to embed in a
+    section instead of restating it."""
+    return FieldInfo.merge_field_infos(_owned_fields(owner)[name])
+
+
+def _embedded(owner: type, names: tuple[str, ...] | None = None, *,
+              override_of_preset: bool = False) -> dict[str, Any]:
+    """``create_model`` field definitions embedding ``owner``'s fields (all, or ``names``).
+
+    ``override_of_preset``: each field becomes optional, default null (= keep the preset's
+    value), described as an override."""
+    owned = _owned_fields(owner)
+    out: dict[str, Any] = {}
+    for name in names or tuple(owned):
+        info = owned[name]
+        if override_of_preset:
+            out[name] = (info.annotation | None, FieldInfo.merge_field_infos(
+                info, default=None, description=f"Override: {info.description}"))
+        else:
+            out[name] = (info.annotation, FieldInfo.merge_field_infos(info))
+    return out
+
+
+def _problem(exc: ValueError) -> str:
+    """One line naming what is wrong (a ValidationError's first problem, or the message)."""
+    if isinstance(exc, ValidationError):
+        return exc.errors()[0]["msg"].removeprefix("Value error, ")
+    return str(exc)
 
 
 class RayConfig(_Section):
@@ -113,9 +152,7 @@ class ControllerConfig(_Section):
 
     host: str = Field("127.0.0.1", description="Address the controller's gRPC servers bind to.")
     port: int = Field(0, ge=0, le=65535, description="Port for the controller (0 = any free port).")
-    heartbeat_interval_s: float = Field(
-        1.0, gt=0, le=600, description="Seconds between agent heartbeats."
-    )
+    heartbeat_interval_s: float = _field(AgentSettings, "heartbeat_interval_s")
     heartbeat_timeout_s: float = Field(
         10.0, gt=0, le=3600,
         description="Silence after which an agent counts as lost (an agent_loss incident; a dead agent is "
@@ -125,12 +162,7 @@ class ControllerConfig(_Section):
     agent_start_timeout_s: float = Field(
         60.0, gt=0, le=3600, description="Seconds to wait for every node agent to connect."
     )
-    max_message_bytes: int = Field(
-        16 << 20, ge=1 << 20, le=(1 << 31) - 1,
-        description="Largest gRPC message the controller accepts, bytes. Must exceed "
-        "agent.batch_max_bytes by 64 KiB; a single event larger than this minus 64 KiB is "
-        "dropped by its agent (and reported).",
-    )
+    max_message_bytes: int = _field(AgentSettings, "max_message_bytes")
     metrics_port: int = Field(
         0, ge=0, le=65535,
         description="Port of the controller's Prometheus /metrics endpoint on `host` (0 = none).",
@@ -147,145 +179,66 @@ class StoreConfig(_Section):
     )
 
 
-class AgentConfig(_Section):
-    """Batching on the agent -> controller stream and the worker -> agent channel."""
+class AgentConfig(create_model(
+        "_AgentSection", __base__=_Section, **_embedded(AgentSettings, AGENT_SECTION_FIELDS))):
+    """Batching on the agent -> controller stream and the worker -> agent channel.
 
-    batch_max_events: int = Field(
-        2000, ge=1, le=1_000_000, description="Most events in one batch to the controller."
-    )
-    batch_max_bytes: int = Field(
-        1 << 20, ge=1024, le=1 << 30,
-        description="Most serialized bytes of events in one batch (a larger single event goes alone).",
-    )
-    batch_interval_s: float = Field(
-        0.2, gt=0, le=60, description="Longest an event waits on the agent before being sent."
-    )
-    memory_max_bytes: int = Field(
-        64 << 20, ge=64 << 10, le=1 << 40,
-        description="Unacknowledged batches an agent keeps in memory, bytes; beyond that it "
-        "spills them to disk.",
-    )
-    spill_max_bytes: int = Field(
-        1 << 30, ge=0, le=1 << 50,
-        description="Unacknowledged batches an agent spills to disk, bytes (0 = never spill). Past "
-        "memory and spill, workers' reports block: backpressure, never loss. A spill write that "
-        "fails (disk full or broken) drops that batch and reports the loss to the controller.",
-    )
-    spill_dir: str = Field(
-        "", description="Folder agents spill to, one subfolder per agent (empty: `<state_dir>/spill`). "
-        "Spilled batches do not survive an agent restart; a restarted agent reports them as dropped.",
-    )
-    report_interval_s: float = Field(
-        0.5, gt=0, le=10,
-        description="Seconds between a worker's reports to its node agent (also how long a command "
-        "waits for its rank; status changes are sent at once).",
-    )
-    fr_poll_interval_s: float = Field(
-        0.5, gt=0, le=60,
-        description="Seconds between reads of a worker's native flight-recorder ring (events lag at most this).",
-    )
-
+    The fields are ``fleet.agent.settings.AgentSettings``'s (the agent owns them);
+    ``ClusterConfig.agent_settings()`` is the object agents are started with."""
 
     @model_validator(mode="after")
     def _batch_fits_memory(self) -> AgentConfig:
-        if self.batch_max_bytes > self.memory_max_bytes:
-            raise ValueError(
-                f"batch_max_bytes ({self.batch_max_bytes}) must be <= memory_max_bytes "
-                f"({self.memory_max_bytes})"
-            )
+        check_batch_fits_memory(self.batch_max_bytes, self.memory_max_bytes)
         return self
 
 
-class ModelConfig(_Section):
-    """The model: a named preset (Llama-4-style MoE decoder), optionally with fields overridden."""
+#: The model fields cluster.yaml may override (``job.model.<field>``), in the reference's order.
+MODEL_OVERRIDES = (
+    "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "moe_hidden", "n_experts",
+    "top_k", "moe_every", "nope_every", "attention_chunk_size", "load_balance", "aux_loss_coef", "fp8",
+)
 
+
+class _ModelPreset(_Section):
     preset: Literal["tiny", "small", "scout", "maverick"] = Field(
         "tiny", description="Model shape preset (`fleet model-info --preset NAME` shows its size)."
     )
-    dim: int | None = Field(None, ge=8, le=65536, description="Override: model width.")
-    n_layers: int | None = Field(None, ge=1, le=1024, description="Override: decoder blocks.")
-    n_heads: int | None = Field(None, ge=1, le=1024, description="Override: attention heads.")
-    n_kv_heads: int | None = Field(None, ge=1, le=1024, description="Override: key/value heads (GQA).")
-    vocab_size: int | None = Field(None, ge=8, le=4_000_000, description="Override: vocabulary size.")
-    ffn_hidden: int | None = Field(None, ge=1, description="Override: dense layers' SwiGLU width.")
-    moe_hidden: int | None = Field(None, ge=1, description="Override: each expert's SwiGLU width.")
-    n_experts: int | None = Field(None, ge=0, le=4096, description="Override: routed experts per MoE layer (0 = dense).")
-    top_k: int | None = Field(None, ge=1, description="Override: experts each token is routed to.")
-    moe_every: int | None = Field(None, ge=1, description="Override: every Nth layer is MoE (1 = all).")
-    nope_every: int | None = Field(
-        None, ge=0, description="Override: every Nth layer has no positional encoding (iRoPE; 0 = none)."
-    )
-    attention_chunk_size: int | None = Field(
-        None, ge=0, description="Override: chunked local attention on RoPE layers (0 = off)."
-    )
-    load_balance: Literal["aux_loss", "bias"] | None = Field(
-        None, description="Override: MoE balancing, auxiliary loss or loss-free router bias."
-    )
-    aux_loss_coef: float | None = Field(None, ge=0, le=10, description="Override: weight of the router auxiliary loss.")
-    fp8: Literal["off", "tensorwise", "rowwise"] | None = Field(
-        None, description="Override: FP8 compute for attention and expert linears, and its scaling."
-    )
+
+
+class ModelConfig(create_model(
+        "_ModelOverrides", __base__=_ModelPreset,
+        **_embedded(ModelArgs, MODEL_OVERRIDES, override_of_preset=True))):
+    """The model: a named preset (Llama-4-style MoE decoder), optionally with fields overridden.
+
+    The override fields are ``fleet.workers.spec.ModelArgs``'s, optional: null keeps the
+    preset's value."""
 
     def args(self) -> ModelArgs:
         """The ModelArgs this section describes."""
-        base = PRESETS[self.preset]
         overrides = {k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None}
-        fields = {**base.__dict__, **overrides}
-        return ModelArgs(**fields)
+        return dataclasses.replace(PRESETS[self.preset], **overrides)
 
     @model_validator(mode="after")
     def _valid_shape(self) -> ModelConfig:
         try:
             self.args()
         except ValueError as exc:
-            raise ValueError(str(exc)) from None
+            raise ValueError(_problem(exc)) from None
         return self
 
 
-class JobConfig(_Section):
-    """The training job: placement, recipe, parallelism, checkpoints and restarts."""
-
+class _JobPlacement(_Section):
     nodes: int = Field(2, ge=1, le=100_000, description="Nodes the worker group spans.")
     ranks_per_node: int = Field(2, ge=1, le=64, description="Worker processes (ranks) per node.")
-    steps: int = Field(300, ge=1, le=10**9, description="Training (optimizer) steps to complete.")
-    batch_size: int = Field(4, ge=1, le=1_000_000, description="Sequences per rank per micro-batch.")
-    seq_len: int = Field(64, ge=2, le=1_048_576, description="Tokens per sequence.")
-    lr: float = Field(3e-3, gt=0, le=10, description="Peak AdamW learning rate.")
-    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of model init and the synthetic data stream.")
-    grad_accum_steps: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step.")
-    grad_clip: float = Field(1.0, ge=0, le=1e6, description="Clip the global gradient norm to this (0 = off).")
-    warmup_steps: int = Field(10, ge=0, description="Linear learning-rate warm-up steps.")
-    lr_schedule: Literal["cosine", "constant"] = Field(
-        "cosine", description="After warm-up: cosine decay to min_lr_ratio x lr, or constant."
-    )
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate of the cosine schedule, as a fraction of lr.")
-    weight_decay: float = Field(0.0, ge=0, le=10, description="AdamW weight decay.")
-    activation_checkpointing: bool = Field(
-        False, description="Recompute each decoder block in the backward pass (saves memory)."
-    )
-    ep_size: int = Field(
-        1, ge=1, description="Expert-parallel ranks: MoE experts are sharded over groups of this many ranks."
-    )
-    data_parallel: Literal["fsdp", "ddp"] = Field(
-        "fsdp", description="How dense parameters are data-parallel: FSDP2 fully_shard or DDP."
-    )
-    dataset: str = Field(
-        "synthetic", min_length=1,
-        description="`synthetic` (packed documents, deterministic per step and rank) or the path of a flat token file.",
-    )
-    mean_doc_len: int = Field(24, ge=2, description="Synthetic data: mean document length, tokens.")
-    checkpoint_interval: int = Field(
-        50, ge=0, description="Steps between checkpoints (0 = none)."
-    )
-    async_checkpoint: bool = Field(
-        True, description="Write checkpoints in the background; training waits only for the copy."
-    )
-    keep_checkpoints: int = Field(3, ge=1, description="Newest valid checkpoints kept on disk.")
-    memory_snapshots: bool = Field(
-        True, description="Copy the training state to memory after every step, so a restart loses at most "
-        "the step in flight: replicated (DDP) state comes from any surviving rank, sharded state only while "
-        "every rank survives; otherwise the newest valid checkpoint on disk is used.",
-    )
+
+
+class JobConfig(create_model("_JobRecipe", __base__=_JobPlacement, **_embedded(TrainArgs))):
+    """The training job: placement, recipe, parallelism, checkpoints and restarts.
+
+    The recipe fields (steps .. memory_snapshots) are ``fleet.workers.spec.TrainArgs``'s:
+    the worker owns them; this section adds placement, timeouts and restarts, and checks
+    the rules that span sections (ep_size against the world size, seq_len against the model)."""
+
     checkpoint_dir: str = Field(
         ".fleet/checkpoints", description="Checkpoint root; each job writes to <dir>/<job-id>/."
     )
@@ -329,28 +282,7 @@ class JobConfig(_Section):
 
     def train_args(self) -> TrainArgs:
         """The TrainArgs this section describes."""
-        return TrainArgs(
-            steps=self.steps,
-            batch_size=self.batch_size,
-            seq_len=self.seq_len,
-            lr=self.lr,
-            seed=self.seed,
-            checkpoint_interval=self.checkpoint_interval,
-            keep_checkpoints=self.keep_checkpoints,
-            async_checkpoint=self.async_checkpoint,
-            memory_snapshots=self.memory_snapshots,
-            grad_accum_steps=self.grad_accum_steps,
-            grad_clip=self.grad_clip,
-            warmup_steps=self.warmup_steps,
-            lr_schedule=self.lr_schedule,
-            min_lr_ratio=self.min_lr_ratio,
-            weight_decay=self.weight_decay,
-            activation_checkpointing=self.activation_checkpointing,
-            ep_size=self.ep_size,
-            data_parallel=self.data_parallel,
-            dataset=self.dataset,
-            mean_doc_len=self.mean_doc_len,
-        )
+        return TrainArgs(**self.model_dump(include=set(_owned_fields(TrainArgs))))
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
@@ -557,6 +489,17 @@ class ClusterConfig(_Section):
     def agent_spill_dir(self) -> Path:
         """Absolute folder agents spill to (``agent.spill_dir``, else ``<state_dir>/spill``)."""
         return Path(self.agent.spill_dir or Path(self.state_dir) / "spill").resolve()
+
+    def agent_settings(self) -> AgentSettings:
+        """The one object every node agent is started with: the ``agent`` section, its spill
+        folder resolved, and the controller's heartbeat interval and message limit."""
+        c = self.controller
+        return AgentSettings(**{
+            **self.agent.model_dump(),
+            "spill_dir": str(self.agent_spill_dir()),
+            "heartbeat_interval_s": c.heartbeat_interval_s,
+            "max_message_bytes": c.max_message_bytes,
+        })
 
 
 def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:

@@ -1,16 +1,29 @@
 """What a worker is told to do: the model shape, the training recipe, and its place in the job.
 
-These frozen dataclasses are the whole contract between the controller and a worker
-process. The controller builds them from the validated cluster.yaml; a plain torchrun
-launch can build them by hand. They hold only plain values so they pickle across Ray.
+The worker owns these definitions: every field of ``ModelArgs`` and ``TrainArgs`` is
+defined here once, with its type, default, bounds and description. cluster.yaml's
+``job:`` section (``controlplane/config.py``) and the torchrun flags of
+``workers/train.py`` are derived from these fields instead of restating them.
+
+``ModelArgs`` and ``TrainArgs`` are frozen pydantic dataclasses: constructing one
+validates it (bounds, choices, the model's shape rules) and raises a ``ValueError``
+(pydantic's ``ValidationError``) naming the problem; ``dataclasses.replace`` works and
+re-validates. ``WorkerSpec`` is a plain frozen dataclass of values the launcher fills
+in. All of them hold only plain values so they pickle across Ray.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass as validated_dataclass
+
+_VALIDATED = ConfigDict(allow_inf_nan=False)
 
 
-@dataclass(frozen=True)
+@validated_dataclass(frozen=True, config=_VALIDATED)
 class ModelArgs:
     """Shape of the Llama-4-style decoder (see workers/model.py).
 
@@ -21,32 +34,36 @@ class ModelArgs:
     Maverick: every second); the others have a dense SwiGLU of width ``ffn_hidden``.
     """
 
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 0               # 0 = dim // n_heads
-    ffn_hidden: int = 172           # dense layers' SwiGLU width (HF: intermediate_size_mlp)
-    max_seq_len: int = 64
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    vocab_size: int = Field(256, ge=8, le=4_000_000, description="vocabulary size.")
+    dim: int = Field(64, ge=8, le=65536, description="model width.")
+    n_layers: int = Field(4, ge=1, le=1024, description="decoder blocks.")
+    n_heads: int = Field(4, ge=1, le=1024, description="attention heads.")
+    n_kv_heads: int = Field(2, ge=1, le=1024, description="key/value heads (GQA).")
+    head_dim: int = Field(0, ge=0, description="per-head width (0 = dim // n_heads).")
+    ffn_hidden: int = Field(172, ge=1, description="dense layers' SwiGLU width.")  # HF: intermediate_size_mlp
+    max_seq_len: int = Field(64, ge=1, description="longest sequence the model is built for, tokens.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     # iRoPE
-    nope_every: int = 4             # 0 = RoPE on every layer
-    attn_temperature_tuning: bool = True
-    attn_floor_scale: float = 8192.0
-    attn_scale: float = 0.1
-    attention_chunk_size: int = 0   # >0: chunked local attention on RoPE layers
+    nope_every: int = Field(
+        4, ge=0, description="every Nth layer has no positional encoding (iRoPE; 0 = none).")
+    attn_temperature_tuning: bool = Field(True, description="NoPE layers scale queries with position.")
+    attn_floor_scale: float = Field(8192.0, gt=0, description="temperature tuning: positions per scale step.")
+    attn_scale: float = Field(0.1, ge=0, description="temperature tuning: scale growth per step.")
+    attention_chunk_size: int = Field(
+        0, ge=0, description="chunked local attention on RoPE layers (0 = off).")
     # mixture of experts
-    n_experts: int = 4              # routed experts per MoE layer; 0 = dense model
-    top_k: int = 1
-    n_shared_experts: int = 1
-    moe_hidden: int = 128           # each expert's (and the shared expert's) SwiGLU width
-    moe_every: int = 2              # interleave step: 1 = every layer is MoE
-    load_balance: str = "aux_loss"  # "aux_loss" | "bias" (loss-free, bias-adjusted routing)
-    aux_loss_coef: float = 0.01
+    n_experts: int = Field(4, ge=0, le=4096, description="routed experts per MoE layer (0 = dense).")
+    top_k: int = Field(1, ge=1, description="experts each token is routed to.")
+    n_shared_experts: int = Field(1, ge=0, description="always-active shared experts per MoE layer.")
+    moe_hidden: int = Field(128, ge=1, description="each expert's SwiGLU width.")  # the shared expert's too
+    moe_every: int = Field(2, ge=1, description="every Nth layer is MoE (1 = all).")
+    load_balance: Literal["aux_loss", "bias"] = Field(
+        "aux_loss", description="MoE balancing, auxiliary loss or loss-free router bias.")
+    aux_loss_coef: float = Field(0.01, ge=0, le=10, description="weight of the router auxiliary loss.")
     # numerics
-    fp8: str = "off"                # "off" | "tensorwise" | "rowwise"
+    fp8: Literal["off", "tensorwise", "rowwise"] = Field(
+        "off", description="FP8 compute for attention and expert linears, and its scaling.")
 
     @property
     def head_size(self) -> int:
@@ -69,12 +86,6 @@ class ModelArgs:
             raise ValueError("head dimension must be even for RoPE")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and n_experts ({self.n_experts})")
-        if self.moe_every < 1:
-            raise ValueError("moe_every must be >= 1")
-        if self.load_balance not in ("aux_loss", "bias"):
-            raise ValueError(f"load_balance must be 'aux_loss' or 'bias', not {self.load_balance!r}")
-        if self.fp8 not in ("off", "tensorwise", "rowwise"):
-            raise ValueError(f"fp8 must be 'off', 'tensorwise' or 'rowwise', not {self.fp8!r}")
 
 
 #: Named model shapes. ``tiny`` trains at several steps/s with 4 ranks on 2 CPU cores;
@@ -100,33 +111,54 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
-@dataclass(frozen=True)
+@validated_dataclass(frozen=True, config=_VALIDATED)
 class TrainArgs:
-    """The training recipe shared by every rank."""
+    """The training recipe shared by every rank.
 
-    steps: int = 300
-    batch_size: int = 4            # sequences per rank per micro-batch
-    seq_len: int = 64
-    lr: float = 3e-3               # peak learning rate
-    seed: int = 0
-    checkpoint_interval: int = 50  # steps between checkpoints; 0 = never
-    keep_checkpoints: int = 3
-    async_checkpoint: bool = True  # training goes on while a checkpoint is written
-    memory_snapshots: bool = True  # copy the state to memory after every step (workers/snapshot.py)
-    # recipe options
-    grad_accum_steps: int = 1      # micro-batches per optimizer step
-    grad_clip: float = 1.0         # max global grad norm; 0 = no clipping
-    warmup_steps: int = 10         # linear warm-up from 0 to lr
-    lr_schedule: str = "cosine"    # after warm-up: "cosine" (to min_lr_ratio*lr) | "constant"
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    activation_checkpointing: bool = False  # recompute each block in backward
-    # parallelism: world = dp * ep ranks; experts are sharded over ep, dense params over dp*ep
-    ep_size: int = 1
-    data_parallel: str = "fsdp"    # "fsdp" (FSDP2 fully_shard) | "ddp"
-    # data: packed documents from a synthetic stream, or a memory-mapped token file
-    dataset: str = "synthetic"     # "synthetic" | path to a flat uint16/uint32 token file
-    mean_doc_len: int = 24         # synthetic documents' mean length (tokens)
+    Parallelism: world = dp x ep ranks; experts are sharded over ep, dense parameters
+    over dp x ep. Data: packed documents from a synthetic stream, or a memory-mapped
+    token file.
+    """
+
+    steps: int = Field(300, ge=1, le=10**9, description="Training (optimizer) steps to complete.")
+    batch_size: int = Field(4, ge=1, le=1_000_000, description="Sequences per rank per micro-batch.")
+    seq_len: int = Field(64, ge=2, le=1_048_576, description="Tokens per sequence.")
+    lr: float = Field(3e-3, gt=0, le=10, description="Peak AdamW learning rate.")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of model init and the synthetic data stream.")
+    grad_accum_steps: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step.")
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="Clip the global gradient norm to this (0 = off).")
+    warmup_steps: int = Field(10, ge=0, description="Linear learning-rate warm-up steps.")
+    lr_schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="After warm-up: cosine decay to min_lr_ratio x lr, or constant."
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Final learning rate of the cosine schedule, as a fraction of lr.")
+    weight_decay: float = Field(0.0, ge=0, le=10, description="AdamW weight decay.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder block in the backward pass (saves memory)."
+    )
+    ep_size: int = Field(
+        1, ge=1, description="Expert-parallel ranks: MoE experts are sharded over groups of this many ranks."
+    )
+    data_parallel: Literal["fsdp", "ddp"] = Field(
+        "fsdp", description="How dense parameters are data-parallel: FSDP2 fully_shard or DDP."
+    )
+    dataset: str = Field(
+        "synthetic", min_length=1,
+        description="`synthetic` (packed documents, deterministic per step and rank) or the path of a flat "
+        "token file.",
+    )
+    mean_doc_len: int = Field(24, ge=2, description="Synthetic data: mean document length, tokens.")
+    checkpoint_interval: int = Field(50, ge=0, description="Steps between checkpoints (0 = none).")
+    async_checkpoint: bool = Field(
+        True, description="Write checkpoints in the background; training waits only for the copy."
+    )
+    keep_checkpoints: int = Field(3, ge=1, description="Newest valid checkpoints kept on disk.")
+    memory_snapshots: bool = Field(
+        True, description="Copy the training state to memory after every step, so a restart loses at most "
+        "the step in flight: replicated (DDP) state comes from any surviving rank, sharded state only while "
+        "every rank survives; otherwise the newest valid checkpoint on disk is used.",
+    )
 
 
 @dataclass(frozen=True)

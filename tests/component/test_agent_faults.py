@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from fleet.agent.node_agent import NodeAgent
+from fleet.agent.settings import AgentSettings
 from fleet.controlplane.agent_server import AgentRegistry
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from fleet.proto.kinds import FaultKind
@@ -59,10 +60,12 @@ def _port(address: str) -> int:
 
 
 def _agent(address: str, tmp_path: Path, **kw: object) -> NodeAgent:
-    settings: dict = dict(node_name="node-0", controller_address=address, token=TOKEN,
-                          batch_interval_s=0.05, heartbeat_interval_s=0.2, spill_dir=tmp_path / "spill")
-    settings.update(kw)
-    return NodeAgent(**settings)
+    args: dict = dict(node_name="node-0", controller_address=address, token=TOKEN)
+    settings: dict = dict(batch_interval_s=0.05, heartbeat_interval_s=0.2, spill_dir=tmp_path / "spill")
+    for key, value in kw.items():
+        (settings if key in AgentSettings.model_fields else args)[key] = value
+    settings["spill_dir"] = str(settings["spill_dir"])
+    return NodeAgent(settings=AgentSettings(**settings), **args)
 
 
 def _fault(job_id: str, attempt: int, kind: str, rank: int = -1, duration_s: float = 0.0,
@@ -238,11 +241,11 @@ def test_agent_down_calls_die_and_reaches_no_worker(controller, tmp_path: Path) 
 _AGENT_PROCESS = """
 import logging, sys
 from fleet.agent.node_agent import NodeAgent
+from fleet.agent.settings import AgentSettings
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 controller, token, port, spill = sys.argv[1:5]
-agent = NodeAgent(node_name="node-0", controller_address=controller, token=token,
-                  local_port=int(port), spill_dir=spill, batch_interval_s=0.05,
-                  heartbeat_interval_s=0.2)
+agent = NodeAgent(node_name="node-0", controller_address=controller, token=token, local_port=int(port),
+                  settings=AgentSettings(spill_dir=spill, batch_interval_s=0.05, heartbeat_interval_s=0.2))
 print(agent.start(connect_timeout_s=20), flush=True)
 sys.stdin.read()   # until the test closes stdin
 agent.close()

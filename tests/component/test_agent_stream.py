@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fleet.agent.node_agent import NodeAgent
+from fleet.agent.settings import AgentSettings
 from fleet.controlplane.agent_server import AgentRegistry
 from fleet.controlplane.lifecycle import JobState
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
@@ -62,7 +63,7 @@ def _wait(cond, timeout_s: float = 10.0, what: str = "condition") -> None:  # no
 @pytest.fixture
 def agent(controller):  # noqa: ANN001
     a = NodeAgent(node_name="node-0", controller_address=controller.address, token=TOKEN,
-                  batch_interval_s=0.05, heartbeat_interval_s=0.2)
+                  settings=AgentSettings(batch_interval_s=0.05, heartbeat_interval_s=0.2))
     a.start(connect_timeout_s=10)
     try:
         yield a
@@ -131,7 +132,7 @@ def test_controller_restart_mid_stream_loses_and_duplicates_nothing(store) -> No
     port = int(server.address.rsplit(":", 1)[1])
     job_id, attempt = _job(store)
     a = NodeAgent(node_name="node-0", controller_address=server.address, token=TOKEN,
-                  batch_interval_s=0.02, batch_max_events=50)
+                  settings=AgentSettings(batch_interval_s=0.02, batch_max_events=50))
     a.start(connect_timeout_s=10)
     try:
         channel = grpc.insecure_channel(a.local_address)

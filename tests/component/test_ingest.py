@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from fleet.agent.node_agent import NodeAgent
+from fleet.agent.settings import AgentSettings
 from fleet.agent.uplink import Uplink
 from fleet.controlplane.agent_server import AgentRegistry
 from fleet.controlplane.cli.main import main
@@ -84,7 +85,7 @@ def _uplink(address: str, name: str, **kw) -> Uplink:  # noqa: ANN003
     return Uplink(controller_address=address, token=hello.token, hello=hello,
                   on_command=lambda _c: None,
                   heartbeat=lambda: agent_pb2.Heartbeat(agent_id=hello.agent_id, time_ns=time.time_ns()),
-                  batch_interval_s=0.02, reconnect_max_s=0.3, **kw).start()
+                  settings=AgentSettings(batch_interval_s=0.02, **kw), reconnect_max_s=0.3).start()
 
 
 # -- rows ---------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ def test_events_a_worker_had_to_drop_are_recorded_with_the_controller(store: Sto
     job_id, _ = _job(store)
     server, _ = start_server(store, AgentRegistry())
     agent = NodeAgent(node_name="node-w", controller_address=server.address, token=TOKEN,
-                      batch_interval_s=0.02)
+                      settings=AgentSettings(batch_interval_s=0.02))
     try:
         agent.start(connect_timeout_s=10)
         spec = WorkerSpec(job_id=job_id, attempt=1, rank=3, world_size=4, node_name="node-w",

@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fleet.agent.node_agent import NodeAgent
+from fleet.agent.settings import AgentSettings
 from fleet.controlplane import auth
 from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
 from fleet.controlplane.client import ControlClient
@@ -113,7 +114,7 @@ def test_agent_with_the_right_client_certificate_connects_and_delivers(tls_contr
     store.set_job_state(job_id, JobState.PLACING)
     attempt = store.create_attempt(job_id)
     agent = NodeAgent(node_name="node-tls", controller_address=tls_controller.address, token=TOKEN,
-                      batch_interval_s=0.02, tls=pki.client, spill_dir=tmp_path / "spill")
+                      tls=pki.client, settings=AgentSettings(batch_interval_s=0.02, spill_dir=str(tmp_path / "spill")))
     agent.start(connect_timeout_s=10)
     try:
         with grpc.insecure_channel(agent.local_address) as channel:   # the worker hop stays local
@@ -130,7 +131,7 @@ def test_agent_with_the_right_client_certificate_connects_and_delivers(tls_contr
 def test_agents_without_a_trusted_client_certificate_are_refused(tls_controller, pki: Pki, tmp_path, who: str) -> None:  # noqa: ANN001
     tls = None if who == "plaintext" else pki.stranger
     agent = NodeAgent(node_name=f"node-{who}", controller_address=tls_controller.address, token=TOKEN,
-                      tls=tls, spill_dir=tmp_path / "spill")
+                      tls=tls, settings=AgentSettings(spill_dir=str(tmp_path / "spill")))
     with pytest.raises(TimeoutError):
         agent.start(connect_timeout_s=1.5)   # never welcomed
     assert f"node-{who}" not in tls_controller.registry.connected_nodes()

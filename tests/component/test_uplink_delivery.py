@@ -27,6 +27,7 @@ import grpc
 import pytest
 
 from fleet.agent.node_agent import NodeAgent
+from fleet.agent.settings import AgentSettings
 from fleet.agent.spool import Spool
 from fleet.agent.uplink import Uplink
 from fleet.controlplane.agent_server import AgentRegistry
@@ -66,12 +67,17 @@ def _free_port() -> int:
 
 def _uplink(address: str, spill_dir: Path | None, node: str = "node-0", **kw: object) -> Uplink:
     hello = agent_pb2.Hello(agent_id=f"agent-{node}", node_name=node, token=TOKEN, epoch=time.time_ns())
-    settings: dict = dict(batch_interval_s=0.02, heartbeat_interval_s=0.2, reconnect_max_s=0.2)
-    settings.update(kw)
+    uplink_kw: dict = dict(reconnect_max_s=0.2)
+    uplink_kw.update({k: kw.pop(k) for k in ("reconnect_max_s", "on_ack") if k in kw})
+    fields = {**AgentSettings().model_dump(), "batch_interval_s": 0.02, "heartbeat_interval_s": 0.2,
+              "spill_dir": "" if spill_dir is None else str(spill_dir), **kw}
+    # unvalidated on purpose: some tests go below cluster.yaml's floors (a 16 KiB memory
+    # budget, a 128 KiB message limit) to reach the spill and drop paths with few events
+    settings = AgentSettings.model_construct(**fields)
     return Uplink(
         controller_address=address, token=TOKEN, hello=hello, on_command=lambda c: None,
         heartbeat=lambda: agent_pb2.Heartbeat(agent_id=hello.agent_id, time_ns=time.time_ns()),
-        spill_dir=spill_dir, **settings,
+        settings=settings, **uplink_kw,
     )
 
 
@@ -276,8 +282,9 @@ def test_worker_reports_get_resource_exhausted_when_the_agent_is_full(store, tmp
     server, _ = start_server(store, registry)
     port = int(server.address.rsplit(":", 1)[1])
     agent = NodeAgent(node_name="node-0", controller_address=server.address, token=TOKEN,
-                      batch_interval_s=0.02, batch_max_events=100, batch_max_bytes=4096,
-                      memory_max_bytes=64 * 1024, spill_max_bytes=0, spill_dir=tmp_path / "spill")
+                      settings=AgentSettings(batch_interval_s=0.02, batch_max_events=100, batch_max_bytes=4096,
+                                             memory_max_bytes=64 * 1024, spill_max_bytes=0,
+                                             spill_dir=str(tmp_path / "spill")))
     agent.start(connect_timeout_s=10)
     channel = grpc.insecure_channel(agent.local_address)
     try:

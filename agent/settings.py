@@ -1,0 +1,100 @@
+"""The node agent's settings: one validated object, defined once, owned by the agent.
+
+``AgentSettings`` holds everything a ``NodeAgent`` and its ``Uplink`` are tuned by
+(batching, buffering and spilling, heartbeats, the largest message the controller
+takes) and the two reporting intervals the agent's workers are given. It travels as
+one frozen object from the controller (``ClusterConfig.agent_settings()``) through
+``AgentSet.start``, the agent's Ray actor and ``NodeAgent`` to the ``Uplink``; none
+of them restates a default.
+
+cluster.yaml does not copy these fields: its ``agent:`` section is derived from
+``AGENT_SECTION_FIELDS`` of this model, and ``controller.heartbeat_interval_s`` /
+``controller.max_message_bytes`` from the two link fields (``controlplane/config.py``),
+so the keys, defaults, bounds and descriptions exist only here.
+
+Invariant checked at construction: ``batch_max_bytes <= memory_max_bytes``.
+This module is not part of the agent's runtime: it imports neither grpc nor the uplink,
+so the controller's config can import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: Fields that are cluster.yaml's ``agent:`` section, in the reference's order.
+AGENT_SECTION_FIELDS = (
+    "batch_max_events", "batch_max_bytes", "batch_interval_s", "memory_max_bytes",
+    "spill_max_bytes", "spill_dir", "report_interval_s", "fr_poll_interval_s",
+)
+#: Fields that cluster.yaml keeps in its ``controller:`` section (the controller sets them
+#: for every agent it starts).
+LINK_FIELDS = ("heartbeat_interval_s", "max_message_bytes")
+
+
+def check_batch_fits_memory(batch_max_bytes: int, memory_max_bytes: int) -> None:
+    """Raise ``ValueError`` unless one batch fits the agent's memory buffer."""
+    if batch_max_bytes > memory_max_bytes:
+        raise ValueError(
+            f"batch_max_bytes ({batch_max_bytes}) must be <= memory_max_bytes ({memory_max_bytes})"
+        )
+
+
+class AgentSettings(BaseModel):
+    """Batching on the agent -> controller stream and the worker -> agent channel."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    batch_max_events: int = Field(
+        2000, ge=1, le=1_000_000, description="Most events in one batch to the controller."
+    )
+    batch_max_bytes: int = Field(
+        1 << 20, ge=1024, le=1 << 30,
+        description="Most serialized bytes of events in one batch (a larger single event goes alone).",
+    )
+    batch_interval_s: float = Field(
+        0.2, gt=0, le=60, description="Longest an event waits on the agent before being sent."
+    )
+    memory_max_bytes: int = Field(
+        64 << 20, ge=64 << 10, le=1 << 40,
+        description="Unacknowledged batches an agent keeps in memory, bytes; beyond that it "
+        "spills them to disk.",
+    )
+    spill_max_bytes: int = Field(
+        1 << 30, ge=0, le=1 << 50,
+        description="Unacknowledged batches an agent spills to disk, bytes (0 = never spill). Past "
+        "memory and spill, workers' reports block: backpressure, never loss. A spill write that "
+        "fails (disk full or broken) drops that batch and reports the loss to the controller.",
+    )
+    spill_dir: str = Field(
+        "", description="Folder agents spill to, one subfolder per agent (empty: `<state_dir>/spill`). "
+        "Spilled batches do not survive an agent restart; a restarted agent reports them as dropped.",
+    )
+    report_interval_s: float = Field(
+        0.5, gt=0, le=10,
+        description="Seconds between a worker's reports to its node agent (also how long a command "
+        "waits for its rank; status changes are sent at once).",
+    )
+    fr_poll_interval_s: float = Field(
+        0.5, gt=0, le=60,
+        description="Seconds between reads of a worker's native flight-recorder ring (events lag at most this).",
+    )
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, le=600, description="Seconds between agent heartbeats."
+    )
+    max_message_bytes: int = Field(
+        16 << 20, ge=1 << 20, le=(1 << 31) - 1,
+        description="Largest gRPC message the controller accepts, bytes. Must exceed "
+        "agent.batch_max_bytes by 64 KiB; a single event larger than this minus 64 KiB is "
+        "dropped by its agent (and reported).",
+    )
+
+    @model_validator(mode="after")
+    def _batch_fits_memory(self) -> AgentSettings:
+        check_batch_fits_memory(self.batch_max_bytes, self.memory_max_bytes)
+        return self
+
+    def replace(self, **changes: Any) -> AgentSettings:
+        """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""
+        return type(self).model_validate({**self.model_dump(), **changes})
