@@ -34,10 +34,10 @@ import grpc
 
 from fleet.controlplane.auth import tokens_equal
 from fleet.controlplane.errors import UnavailableError
-from fleet.controlplane.ingest_writer import IngestWriter, Item
 from fleet.controlplane.metrics import ControllerMetrics
 from fleet.controlplane.store import HealthRecord, Store
 from fleet.controlplane.store.ingest import InvalidBatch, PreparedBatch, count_events, prepare
+from fleet.controlplane.store.writer import IngestWriter, Item
 
 #: What the AgentService deserializer returns for bytes that are not an AgentMessage,
 #: and for a message over the size limit.

@@ -2,62 +2,19 @@
 rank's collectives looked like, the desync verdict, and the step timeline.
 
 Reads only through the Store's domain methods and returns plain dicts, so the CLI can
-print them as tables or JSON. The verdict itself is the diagnosis engine's
-(controlplane/diagnosis); this module turns stored collectives into its traces.
+print them as tables or JSON. The verdict itself is the diagnosis engine's, over traces
+it builds from the store (``controlplane.diagnosis.source``: the Store is a
+``TraceSource``). A checkpoint's ``valid`` is the store's flag, which follows the disk
+manifest's verification (see ``Store.invalidate_checkpoint``).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
-from fleet.controlplane.diagnosis import Diagnosis, SignatureTable, TraceBuilder, TraceSet, diagnose
-from fleet.controlplane.diagnosis.traces import normalize_op
-from fleet.controlplane.lifecycle import AttemptState
-from fleet.controlplane.store import CollectiveRecord, Store
-
-#: Attempt states whose traces may still grow (their waits can be in flight).
-_LIVE = {AttemptState.PLACING, AttemptState.RUNNING}
-
-
-def attempt_traces(store: Store, job_id: str, attempt: int,
-                   rows: Iterable[CollectiveRecord] | None = None) -> TraceSet:
-    """Every rank's stored collectives of one attempt (or just ``rows`` of them), as
-    diagnosis traces."""
-    table = SignatureTable()
-    builders: dict[int, TraceBuilder] = {}
-
-    def builder(rank: int) -> TraceBuilder:
-        b = builders.get(rank)
-        if b is None:
-            b = builders[rank] = TraceBuilder(rank, table, source="store")
-        return b
-
-    for g in store.process_groups(job_id, attempt):
-        for name in (g.group, f"{g.group}:p2p"):
-            builder(g.rank).declare_group(name, g.desc, g.ranks)
-    for c in store.collectives(job_id, attempt) if rows is None else rows:
-        b = builder(c.rank)
-        op, meta = normalize_op(c.op)
-        sig = table.intern(op, c.input_sizes, c.output_sizes, c.input_dtypes, c.output_dtypes)
-        done = c.state != "started"
-        if op in ("send", "recv"):
-            b.add_p2p(c.group, op, meta, c.seq, sig, c.enter_ns, done)
-        else:
-            b.add_collective(c.group, c.seq, sig, c.enter_ns, 0 if c.exit_estimated else (c.exit_ns or 0), done)
-    ranks = {r: b.finish() for r, b in builders.items()}
-    for r in store.ranks(job_id, attempt):  # a rank that shipped nothing still belongs
-        ranks.setdefault(r.rank, builder(r.rank).finish())
-    return TraceSet(source=f"store:{job_id}", ranks=ranks, table=table, attempt=attempt)
-
-
-def diagnose_attempt(store: Store, job_id: str, attempt: int) -> tuple[TraceSet, Diagnosis]:
-    """The traces and desync verdict of one attempt (a running one is judged as live)."""
-    traces = attempt_traces(store, job_id, attempt)
-    live = any(a.number == attempt and a.state in _LIVE for a in store.get_attempts(job_id))
-    return traces, diagnose(traces, now_ns=time.time_ns() if live else None)
+from fleet.controlplane.diagnosis import diagnose_attempt
+from fleet.controlplane.store import Store
 
 
 def replay_report(store: Store, job_id: str, attempt: int | None = None) -> dict[str, Any]:

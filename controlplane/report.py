@@ -14,6 +14,10 @@ a synchronous step ends when its last rank does):
 - **checkpointing**: the save time the checkpoints report (``save_s``, what blocked the
   loop). **other** is what is left (the end of the job, gaps between steps).
 
+``checkpoints`` lists every checkpoint of the job with ``valid`` as the store holds it,
+which follows the manifest's verification on disk (a checkpoint a restore found corrupt
+is invalid), and ``invalid_checkpoints`` the causes recorded when one was marked so.
+
 Each incident that ended its attempt (the last one recorded for a failed attempt) also
 gets ``detected_after_s`` (its attempt's last step end, or the attempt's start, to
 detection) and ``recovery_s`` (detection to the first step completed by a later attempt,
@@ -40,6 +44,7 @@ from fleet.controlplane.store import (
     RecoveryRecord,
     StepRecord,
 )
+from fleet.controlplane.store.records import CKPT_INVALID
 from fleet.proto.kinds import IncidentKind
 
 
@@ -158,4 +163,6 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         "incidents": out_incidents,
         "quarantined_nodes": quarantined,
         "quarantines": [a.cause for a in actions if a.kind == "quarantine"],
+        "checkpoints": [{"step": c.step, "attempt": c.attempt, "valid": c.valid} for c in checkpoints],
+        "invalid_checkpoints": [a.cause for a in actions if a.kind == CKPT_INVALID],
     }

@@ -13,8 +13,10 @@ applies the pure decisions of ``controlplane.detectors`` to what it has seen:
   * agent_loss: a node of the attempt whose agent stayed silent past the agent timeout.
 
 Its inputs are the rows of the batches agents deliver (``observe``, installed as the
-``AgentServicer`` observer, only queues a batch: the thread reads it), the store (a
-bounded diagnosis, only while a hang is suspected) and ``silent_for``.
+``AgentServicer`` observer, only queues a batch: the thread reads it through the batch's
+typed views, ``StepRow``/``CollectiveRow``/``StatusRow``), the store (a bounded
+diagnosis, only while a hang is suspected, built by ``controlplane.diagnosis``) and
+``silent_for``.
 
 Timing: progress is measured with the workers' own wall-clock timestamps (a step's
 ``end_ns``, a collective's ``enter_ns``; all ranks share one clock), so reporting latency
@@ -42,40 +44,29 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from fleet.controlplane import detectors
 from fleet.controlplane.config import ControllerConfig, DetectConfig
 from fleet.controlplane.detectors import Incident
-from fleet.controlplane.diagnosis import Diagnosis, DiagnosisConfig, TraceSet, diagnose
-from fleet.controlplane.replay import attempt_traces
-from fleet.controlplane.store import Store
-from fleet.controlplane.store.ingest import COLLECTIVE_COLUMNS, PreparedBatch
+from fleet.controlplane.diagnosis import Diagnosis, DiagnosisConfig, diagnose, recent_traces
+from fleet.controlplane.store import CollectiveRow, Store
+from fleet.controlplane.store.ingest import PreparedBatch
+from fleet.proto.flight_record import P2P_SUFFIX
 
 log = logging.getLogger(__name__)
 
 #: Step times the hang threshold's median is taken over, per rank of the attempt.
 STEP_TIMES_PER_RANK = 20
-#: Newest collectives per process group a live diagnosis reads (see ``recent_traces``).
+#: Newest collectives per process group a live diagnosis reads
+#: (``controlplane.diagnosis.recent_traces``).
 DIAGNOSIS_SEQS = 64
 #: Batches whose telemetry lag is remembered; the lag allowed for is the largest of them.
 LAG_SAMPLES = 64
 #: Batches queued for the thread at most (it drains them every interval); beyond it the
 #: oldest are dropped.
 INBOX_MAX = 10_000
-
-_JOB, _ATTEMPT, _RANK, _GROUP, _SEQ, _SIZE = (COLLECTIVE_COLUMNS.index(c) for c in (
-    "job_id", "attempt", "rank", "group_name", "seq", "group_size"))
-_ENTER, _STATE, _STEP = (COLLECTIVE_COLUMNS.index(c) for c in ("enter_ns", "state", "step"))
-
-
-def recent_traces(store: Store, job_id: str, attempt: int, per_group: int = DIAGNOSIS_SEQS) -> TraceSet:
-    """The attempt's newest collectives (``Store.recent_collectives``) as diagnosis traces:
-    what ``replay.attempt_traces`` builds, bounded to a window, so that a live diagnosis
-    costs the same at step 10 and at step 100,000."""
-    return attempt_traces(store, job_id, attempt, store.recent_collectives(job_id, attempt, per_group))
-
 
 #: How long a flight-recorder verdict must hold, unchanged, before a hang is declared on it.
 VERDICT_STABLE_S = 0.5
@@ -245,12 +236,12 @@ class Watchdog:
         job, number, cfg = self._job_id, w.number, self._cfg
         found: list[Incident] = []
         oldest_new = None
-        for s in batch.steps:
-            if s["job_id"] != job or s["attempt"] != number:
+        for s in batch.step_rows():
+            if s.job_id != job or s.attempt != number:
                 continue
-            rank, step, end_ns = s["rank"], s["step"], s["end_ns"]
+            rank, step, end_ns = s.rank, s.step, s.end_ns
             oldest_new = end_ns if oldest_new is None else min(oldest_new, end_ns)
-            took = s["step_time_s"]
+            took = s.step_time_s
             prev_end = w.last_end_ns.get(rank)
             if prev_end is not None and step == w.last_step.get(rank, -1) + 1:
                 took = max(took, (end_ns - prev_end) / 1e9)  # the gap counts: the loop, reports
@@ -261,14 +252,14 @@ class Watchdog:
                 w.loss_step = step
                 if cfg.loss_spike_factor > 0:
                     found += self._once(w, ("loss_spike",), detectors.loss_spike_incident(
-                        step, s["loss"], w.losses, cfg.loss_spike_factor, cfg.loss_window))
-                if math.isfinite(s["loss"]):
-                    w.losses.append(s["loss"])
-        for st in batch.statuses:
-            if st["job_id"] == job and st["attempt"] == number and st["state"] == "FAILED":
+                        step, s.loss, w.losses, cfg.loss_spike_factor, cfg.loss_window))
+                if math.isfinite(s.loss):
+                    w.losses.append(s.loss)
+        for st in batch.status_rows():
+            if st.job_id == job and st.attempt == number and st.state == "FAILED":
                 w.failed = True
         if batch.collectives:
-            started = self._collectives(w, batch.collectives)
+            started = self._collectives(w, batch.collective_rows())
             if started is not None:
                 oldest_new = started if oldest_new is None else min(oldest_new, started)
             found += self._stragglers(w)
@@ -276,32 +267,32 @@ class Watchdog:
             w.lags.append(max(0.0, (arrival_ns - oldest_new) / 1e9))
         return found
 
-    def _collectives(self, w: _Watched, rows: list[tuple]) -> int | None:
+    def _collectives(self, w: _Watched, rows: Iterable[CollectiveRow]) -> int | None:
         """Fold collective rows into ``w``; the oldest start among "started" rows, if any."""
         job, number = self._job_id, w.number
         last_enter, coll_step, arrivals = w.last_enter_ns, w.coll_step, w.arrivals
         judged = -1 if w.judged is None else w.judged
         oldest_started = None
         for row in rows:
-            if row[_JOB] != job or row[_ATTEMPT] != number:
+            if row.job_id != job or row.attempt != number:
                 continue
-            rank, enter = row[_RANK], row[_ENTER]
+            rank, enter = row.rank, row.enter_ns
             if enter > last_enter.get(rank, 0):
                 last_enter[rank] = enter
-            if row[_STATE] == "started" and (oldest_started is None or enter < oldest_started):
+            if row.state == "started" and (oldest_started is None or enter < oldest_started):
                 oldest_started = enter
-            step, group = row[_STEP], row[_GROUP]
-            if step <= judged or group.endswith(":p2p"):
+            step, group = row.step, row.group
+            if step <= judged or group.endswith(P2P_SUFFIX):
                 continue
             if step > coll_step.get(rank, -1):
                 coll_step[rank] = step
             per_step = arrivals.get(step)
             if per_step is None:
                 per_step = arrivals[step] = {}
-            key = (group, row[_SEQ])
+            key = (group, row.seq)
             entry = per_step.get(key)
             if entry is None:
-                entry = per_step[key] = (row[_SIZE], {})
+                entry = per_step[key] = (row.group_size, {})
             entry[1][rank] = enter
         return oldest_started
 
@@ -415,7 +406,7 @@ class Watchdog:
         """The flight recorder's verdict over the newest collectives, as of ``horizon_ns``,
         counting only waits older than ``settle_s``; None if the store cannot say."""
         try:
-            traces = recent_traces(self._store, self._job_id, attempt)
+            traces = recent_traces(self._store, self._job_id, attempt, DIAGNOSIS_SEQS)
             return diagnose(traces, DiagnosisConfig(settle_s=settle_s), now_ns=horizon_ns)
         except Exception:  # noqa: BLE001 - no verdict is a verdict (unconfirmed path)
             log.exception("live diagnosis of attempt %d failed", attempt)

@@ -46,6 +46,7 @@ import re
 import shutil
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -377,40 +378,63 @@ def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
     return int(state["step"]), extra
 
 
-def verify(path: str | os.PathLike[str], *, checksums: bool = True) -> bool:
-    """True if the checkpoint at ``path`` is committed and (with ``checksums``) intact."""
+@dataclass(frozen=True)
+class InvalidCheckpoint:
+    """A step directory that failed verification: which, and why (shown to the user)."""
+
+    step: int
+    path: str
+    reason: str
+
+
+def problem(path: str | os.PathLike[str], *, checksums: bool = True) -> str:
+    """Why the checkpoint at ``path`` is not valid (not committed, or, with
+    ``checksums``, not intact); "" when it is valid."""
     path = Path(path)
     m = _STEP_DIR.match(path.name)
     if m is None:
-        return False
+        return f"{path.name} is not a step directory"
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         if manifest.get("format") != MANIFEST_FORMAT or manifest.get("step") != int(m.group(1)):
-            return False
+            return f"{MANIFEST} names another format or step"
         files = manifest["files"]
         if ".metadata" not in files:
-            return False
+            return f"{MANIFEST} lists no .metadata"
         for name, entry in files.items():
             f = path / name
             if f.stat().st_size != entry["bytes"]:
-                return False
+                return f"{name} has {f.stat().st_size} bytes, {MANIFEST} says {entry['bytes']}"
             if checksums and _sha256_file(f) != entry["sha256"]:
-                return False
+                return f"{name} does not match its sha256 in {MANIFEST}"
+    except FileNotFoundError as exc:
+        return f"{Path(exc.filename or MANIFEST).name} is missing"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.debug("checkpoint %s invalid: %r", path, exc)
-        return False
-    return True
+        return f"unreadable {MANIFEST} or file ({type(exc).__name__})"
+    return ""
 
 
-def latest_valid(checkpoint_dir: str | os.PathLike[str]) -> tuple[int, str] | None:
+def verify(path: str | os.PathLike[str], *, checksums: bool = True) -> bool:
+    """True if the checkpoint at ``path`` is committed and (with ``checksums``) intact."""
+    return not problem(path, checksums=checksums)
+
+
+def latest_valid(checkpoint_dir: str | os.PathLike[str],
+                 skipped: list[InvalidCheckpoint] | None = None) -> tuple[int, str] | None:
     """The newest valid checkpoint under ``checkpoint_dir`` as ``(step, path)``, or None.
 
-    Checksums every file of each candidate, newest first, until one passes.
+    Checksums every file of each candidate, newest first, until one passes; each one
+    that fails is appended to ``skipped`` (the caller reports them: the manifest is the
+    truth of a checkpoint's validity, and the store's flag follows it).
     """
     for step, path in _step_dirs(Path(checkpoint_dir)):
-        if verify(path):
+        why = problem(path)
+        if not why:
             return step, str(path)
-        log.warning("skipping invalid checkpoint %s", path)
+        log.warning("skipping invalid checkpoint %s: %s", path, why)
+        if skipped is not None:
+            skipped.append(InvalidCheckpoint(step, str(path), why))
     return None
 
 

@@ -16,7 +16,10 @@ moment they matter most.
 How the two sources merge (native entries are the source of truth):
   * group, sequence number (``collective_seq_id``; point-to-point ops use
     ``p2p_seq_id`` under the group name suffixed ``:p2p``), op, sizes and dtypes come
-    from the native entry; the enter time is its ``time_created_ns``.
+    from the native entry; the enter time is its ``time_created_ns``. How an entry is
+    read (completion, numbering, dtype names) is ``fleet.proto.flight_record``'s, shared
+    with the dump reader; the op is shipped as the backend names it (without the
+    ``gloo:`` prefix) and made canonical where it enters the store.
   * gloo records no completion time (``state`` stays ``scheduled``; ``retired`` is the
     completion signal). For ops issued through ``FlightRecorder``'s wrappers
     (workers/recorder.py), ``timed`` records the wrapper's measured (enter, exit) window
@@ -76,6 +79,7 @@ import torch
 import torch.distributed as dist
 
 from fleet.proto import events_pb2
+from fleet.proto.flight_record import dtype_names, entry_done, entry_seq, p2p_group
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +104,6 @@ def _native_dump(**kw: bool) -> bytes:
         return _dump_nccl(**kw)
     assert _dump is not None
     return _dump(**kw)
-
-#: Native dtype names (e.g. "Float") as torch's Python names, for events that also
-#: come from the Python wrappers.
-_DTYPES = {
-    "Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
-    "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8",
-    "Bool": "bool", "Float8_e4m3fn": "float8_e4m3fn", "Float8_e5m2": "float8_e5m2",
-}
-
 
 def available() -> bool:
     """True when this torch build can dump its flight recorder."""
@@ -303,7 +298,7 @@ class NativeFlightTail:
         for e in entries:
             rid = e["record_id"]
             started = self._open.pop(rid, None)
-            done = e["retired"] or e["state"] == "completed"
+            done = entry_done(e)
             if started is not None:
                 if done:
                     self.sink(self._finished(started, now_ns))
@@ -360,8 +355,8 @@ class NativeFlightTail:
         """A fresh CollectiveEvent for entry ``e`` (state unset), or None when it has no
         sequence number."""
         is_p2p = e["is_p2p"]
-        seq = e["p2p_seq_id"] if is_p2p else e["collective_seq_id"]
-        if not seq or seq <= 0:
+        seq = entry_seq(e)
+        if seq <= 0:
             return None
         pg = e["process_group"] or ("?", "")
         inputs, outputs = e["input_sizes"], e["output_sizes"]
@@ -385,15 +380,15 @@ class NativeFlightTail:
         event = events_pb2.Event()
         c = event.collective
         c.job_id, c.attempt, c.rank = self.job_id, self.attempt, self.rank
-        c.group = f"{name}:p2p" if is_p2p else name
+        c.group = p2p_group(name) if is_p2p else name
         c.group_size = self._group(name, desc)
         c.op = str(e["profiling_name"]).split(":", 1)[-1]
         for sizes in e["input_sizes"] or []:
             c.input_sizes.add().dims.extend(int(d) for d in sizes)
-        c.input_dtypes.extend(_DTYPES.get(d, str(d).lower()) for d in e["input_dtypes"] or [])
+        c.input_dtypes.extend(dtype_names(e["input_dtypes"]))
         for sizes in e["output_sizes"] or []:
             c.output_sizes.add().dims.extend(int(d) for d in sizes)
-        c.output_dtypes.extend(_DTYPES.get(d, str(d).lower()) for d in e["output_dtypes"] or [])
+        c.output_dtypes.extend(dtype_names(e["output_dtypes"]))
         return event
 
     def _group(self, name: str, desc: str) -> int:

@@ -87,6 +87,13 @@ class _Emitter:
             job_id=s.job_id, attempt=s.attempt, rank=s.rank, step=step, path=path,
             manifest_sha256=manifest_sha256, save_s=save_s, time_ns=time.time_ns())))
 
+    def checkpoint_invalid(self, step: int, path: str, reason: str) -> None:
+        """Rank 0 found checkpoint ``step`` failing verification: the store marks it invalid."""
+        s = self.spec
+        self.reporter.emit(events_pb2.Event(checkpoint=events_pb2.CheckpointEvent(
+            job_id=s.job_id, attempt=s.attempt, rank=s.rank, step=step, path=path,
+            invalid=True, reason=reason, time_ns=time.time_ns())))
+
 
 def run(spec: WorkerSpec, listen_socket: socket.socket | None = None, *,
         before_step: Callable[[int], None] | None = None,
@@ -175,6 +182,8 @@ def _train(
     try:
         restored = trainer.restore()
         restore_s = time.perf_counter() - t0
+        for bad in trainer.invalid_checkpoints:
+            emit.checkpoint_invalid(bad.step, bad.path, bad.reason)
         emit.status(Status.RESTORED, phase_s=restore_s, restored_step=restored,
                     detail=trainer.restored_from)
         emit.status(Status.TRAINING)

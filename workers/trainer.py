@@ -108,6 +108,8 @@ class Trainer:
         self.snapshots = self.train.memory_snapshots
         self._live: list[torch.Tensor] = []
         self.restored_from = ""  # "memory", "memory from rank N", "disk" or "" (fresh)
+        #: rank 0: checkpoints ``restore`` found failing verification (to be reported)
+        self.invalid_checkpoints: list[checkpoint.InvalidCheckpoint] = []
         #: called with (step, micro-batch loss) -> loss; fault injection's NaN hook
         self.loss_hook = None
 
@@ -130,7 +132,7 @@ class Trainer:
         info = torch.zeros(world + 1, dtype=torch.int64, device=self.device)
         info[rank] = mine.step if mine is not None else 0
         if rank == 0:
-            found = checkpoint.latest_valid(self.spec.checkpoint_dir)
+            found = checkpoint.latest_valid(self.spec.checkpoint_dir, skipped=self.invalid_checkpoints)
             if found is not None:
                 info[world] = found[0]
         self.recorder.all_reduce(info)

@@ -109,7 +109,8 @@ def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path 
 def _replay_job(job_id: str, attempt: int | None, view: _View, perfetto: Path | None, last_steps: int,
                 store: str | None, cluster: Path | None, json_out: bool) -> None:
     from fleet.controlplane.cli.common import open_store
-    from fleet.controlplane.replay import diagnose_attempt, replay_report
+    from fleet.controlplane.diagnosis import diagnose_attempt
+    from fleet.controlplane.replay import replay_report
 
     with open_store(store, cluster) as st:
         report = replay_report(st, job_id, attempt)
@@ -189,6 +190,9 @@ def _print_job(report: dict[str, Any], last_steps: int) -> None:
             f"[red]incident[/] attempt {inc['attempt']}: {inc['kind']} rank {inc['rank']} on {inc['node']} "
             f"({inc['detector']}): {inc['evidence']}"
         )
+    if report["checkpoints"]:
+        console.print("checkpoints: " + ", ".join(
+            f"step {c['step']}" + ("" if c["valid"] else " [red]INVALID[/]") for c in report["checkpoints"]))
     for a in report["attempts"]:
         restored = a["restored_step"]
         console.rule(

@@ -49,6 +49,12 @@ def report(
                           f"{i['failure_to_first_step_s']:.2f}"] for i in timed])
     for cause in out["quarantines"]:
         console.print(f"[yellow]quarantine:[/] {cause}", highlight=False)
+    if out["checkpoints"]:
+        console.print("checkpoints: " + ", ".join(
+            f"step {c['step']}" + ("" if c["valid"] else " [red]INVALID[/]") for c in out["checkpoints"]),
+            highlight=False)
+    for cause in out["invalid_checkpoints"]:
+        console.print(f"[yellow]{cause}[/]", highlight=False)
 
 
 def _dash(value: object) -> object:

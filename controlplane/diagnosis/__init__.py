@@ -1,4 +1,5 @@
-"""The diagnosis engine: desync verdicts over collective traces, from dumps or the store.
+"""The diagnosis engine: desync verdicts over collective traces, from dumps or the store
+(any ``TraceSource``, ``controlplane.diagnosis.source``).
 
 Pure Python (no torch, Ray or gRPC), so `fleet replay --dumps` runs anywhere, fast.
 
@@ -20,11 +21,13 @@ from fleet.controlplane.diagnosis.engine import (
     Wavefront,
     diagnose,
 )
+from fleet.controlplane.diagnosis.source import TraceSource, attempt_traces, diagnose_attempt, recent_traces
 from fleet.controlplane.diagnosis.traces import SignatureTable, TraceBuilder, TraceSet
 
 __all__ = [
     "Diagnosis", "DiagnosisConfig", "Finding", "GroupInfo", "SignatureTable", "TraceBuilder",
-    "TraceSet", "Wavefront", "analyze_dumps", "diagnose", "load_traces",
+    "TraceSet", "TraceSource", "Wavefront", "analyze_dumps", "attempt_traces", "diagnose",
+    "diagnose_attempt", "load_traces", "recent_traces",
 ]
 
 

@@ -15,6 +15,9 @@ What is read, and how:
     2.13's gloo leaves it empty, so membership is then inferred from the groups each
     rank's entries mention. (``pg_status`` is no help: gloo keys it by the rank-local
     ``pg_id``, not the group name, so ranks 2 and 3's key "1" may be group "2".)
+  * This reader is an edge: op and dtype names become canonical here, once, as entries
+    are read (``fleet.proto.vocab``), and an entry's completion follows the same rule as
+    on the worker (``fleet.proto.flight_record``: ``retired`` or ``state == completed``).
   * Files are converted as they are read (one dump alive at a time per process); with
     many files a pool of processes shares the reading, each sending back compact traces.
 """
@@ -34,14 +37,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fleet.controlplane.diagnosis.traces import (
-    RankTrace,
-    SignatureTable,
-    TraceBuilder,
-    TraceSet,
-    normalize_op,
-)
+from fleet.controlplane.diagnosis.traces import RankTrace, SignatureTable, TraceBuilder, TraceSet
 from fleet.controlplane.errors import DumpError
+from fleet.proto.flight_record import dtype_names, entry_done, entry_op
+from fleet.proto.vocab import split_op
 
 #: Format major versions this reader understands (torch 2.x writes "2.<minor>").
 SUPPORTED_MAJOR = 2
@@ -200,14 +199,14 @@ def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable
             raw = (pn, repr((ins, outs, ind, outd)))
             sig = local.get(raw)
             if sig is None:
-                op, _meta = normalize_op(str(pn))
-                sig = local[raw] = table.intern(op, ins or (), outs or (), ind or (), outd or ())
-            done = e.get("retired") is True or e.get("state") == "completed"
+                op, _meta = split_op(entry_op(e))
+                sig = local[raw] = table.intern(op, ins or (), outs or (), dtype_names(ind), dtype_names(outd))
+            done = entry_done(e)
             enter = e["time_created_ns"] or 0
             if type(enter) is not int:
                 enter = int(enter)
             if e.get("is_p2p"):
-                op, meta = normalize_op(str(pn))
+                op, meta = split_op(entry_op(e))
                 builder.add_p2p(group, op, meta, int(e.get("p2p_seq_id") or 0), sig, enter, done)
                 continue
             seq = e["collective_seq_id"]

@@ -7,8 +7,10 @@ interned into one ``SignatureTable`` so that comparing two ranks' collective N i
 integer comparison, and comparing whole histories is a list comparison in C: that is
 what makes 512 ranks x 2000 entries an affair of a second.
 
-Two producers fill it: native flight-recorder dumps (``controlplane.diagnosis.dumps``)
-and the store (``controlplane.replay``), through ``TraceBuilder``.
+Two producers fill it, through ``TraceBuilder``: native flight-recorder dumps
+(``controlplane.diagnosis.dumps``) and the store (``controlplane.diagnosis.source``, over
+any ``TraceSource``). Both hand over canonical op and dtype names (``fleet.proto.vocab``):
+the dump reader makes them so as it reads, the store's rows are canonical already.
 
 Invariants:
   * ``GroupOps.seqs`` is strictly ascending. Entries that share a sequence number
@@ -24,42 +26,6 @@ import bisect
 from array import array
 from dataclasses import dataclass, field
 from typing import Iterable
-
-#: Backend-specific op names, folded to one name per collective.
-OP_ALIASES = {
-    "allreduce": "all_reduce",
-    "allreduce_coalesced": "all_reduce_coalesced",
-    "_allgather_base": "all_gather",
-    "allgather": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "allgather_into_tensor_coalesced": "all_gather_coalesced",
-    "_reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reducescatter": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
-    "alltoall": "all_to_all",
-    "alltoall_base": "all_to_all",
-    "all_to_all_single": "all_to_all",
-}
-
-#: Native dtype names (c10 ScalarType names, as dumps write them) as torch's Python names.
-DTYPE_NAMES = {
-    "Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
-    "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8",
-    "Bool": "bool", "Float8_e4m3fn": "float8_e4m3fn", "Float8_e5m2": "float8_e5m2",
-}
-
-
-def _dtype(name: object) -> str:
-    return DTYPE_NAMES.get(name, name) if isinstance(name, str) else str(name)
-
-
-def normalize_op(name: str) -> tuple[str, str]:
-    """``"nccl:send 0->1"`` -> ``("send", "0->1")``; ``"gloo:allreduce"`` -> ``("all_reduce", "")``."""
-    name = name.split(":", 1)[-1]
-    op, _, meta = name.partition(" ")
-    return OP_ALIASES.get(op, op), meta
-
 
 @dataclass(frozen=True, slots=True)
 class Signature:
@@ -87,10 +53,11 @@ class SignatureTable:
 
     def intern(self, op: str, input_sizes: Iterable[Iterable[int]], output_sizes: Iterable[Iterable[int]],
                input_dtypes: Iterable[str], output_dtypes: Iterable[str]) -> int:
-        """The id of this signature (new or existing)."""
+        """The id of this signature (new or existing). Names are taken as given: producers
+        pass canonical ones (``fleet.proto.vocab``), made so where the data came in."""
         key = (op, tuple(tuple(int(d) for d in s) for s in input_sizes),
                tuple(tuple(int(d) for d in s) for s in output_sizes),
-               tuple(_dtype(d) for d in input_dtypes), tuple(_dtype(d) for d in output_dtypes))
+               tuple(input_dtypes), tuple(output_dtypes))
         return self.intern_key(key)
 
     def intern_key(self, key: tuple) -> int:

@@ -21,7 +21,13 @@ Row invariants:
 - Steps, worker statuses, SDC checks: plain inserts (a batch is written at most once,
   which ``ingest_batches`` guarantees).
 - Process groups: upserted on (job, attempt, rank, group); a re-send changes nothing.
+- Op names become canonical here (``fleet.proto.vocab.canonical_op``): every producer's
+  collectives pass through this one door, so stored rows and everything read from them
+  speak one vocabulary, and nothing renames them on read.
 - Checkpoints: upserted on (job, step), ``valid=True`` (a re-save of a step replaces it).
+  A ``CheckpointEvent`` with ``invalid`` (rank 0 found the checkpoint failing manifest
+  verification) clears ``valid`` of an existing row and records why as a
+  ``ckpt_invalid`` action; the manifest on disk is the truth, the row follows it.
 - A RESTORED worker status sets the attempt's ``restored_step``.
 """
 
@@ -31,7 +37,7 @@ import functools
 import itertools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +50,7 @@ from fleet.controlplane.store.engine import upsert
 from fleet.controlplane.store.schema import (
     JOB_ID_LEN,
     NAME_LEN,
+    Action,
     Attempt,
     Checkpoint,
     ProcessGroupRow,
@@ -51,7 +58,9 @@ from fleet.controlplane.store.schema import (
     WorkerStatusRow,
     metadata,
 )
+from fleet.controlplane.store.records import CKPT_INVALID, CollectiveRow, StatusRow, StepRow
 from fleet.proto import columns, events_pb2
+from fleet.proto.vocab import canonical_op
 
 _STATUS_NAMES = events_pb2.WorkerStatus.State
 _RESTORED = events_pb2.WorkerStatus.RESTORED
@@ -86,9 +95,28 @@ class PreparedBatch:
     steps: list[dict[str, Any]] = field(default_factory=list)
     statuses: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: dict[tuple, dict[str, Any]] = field(default_factory=dict)
+    invalid_checkpoints: dict[tuple, dict[str, Any]] = field(default_factory=dict)
     groups: dict[tuple, dict[str, Any]] = field(default_factory=dict)
     sdc: list[dict[str, Any]] = field(default_factory=list)
     restored: list[tuple[str, int, int]] = field(default_factory=list)
+
+    # Typed views for readers outside the store package (the watchdog), so that no one
+    # there indexes these rows by position or by column name.
+
+    def step_rows(self) -> Iterator[StepRow]:
+        """The batch's steps."""
+        for s in self.steps:
+            yield StepRow(s["job_id"], s["attempt"], s["rank"], s["step"], s["end_ns"],
+                          s["step_time_s"], s["loss"])
+
+    def collective_rows(self) -> Iterator[CollectiveRow]:
+        """The batch's collectives, in batch order."""
+        return map(CollectiveRow._make, self.collectives)
+
+    def status_rows(self) -> Iterator[StatusRow]:
+        """The batch's worker statuses."""
+        for s in self.statuses:
+            yield StatusRow(s["job_id"], s["attempt"], s["rank"], s["state"])
 
 
 # -- collectives ----------------------------------------------------------------------------
@@ -135,12 +163,17 @@ def _column_rows(block: events_pb2.CollectiveColumns) -> list[tuple]:
     if n == 0:
         return []
     strings = list(block.strings)
+    ops: dict[int, str] = {}  # string index -> canonical op: one lookup per distinct name
     for name in _INDEX_COLUMNS:
         used = set(getattr(block, name))
         if max(used) >= len(strings):
             raise InvalidBatch(f"collectives.{name}: index {max(used)} outside strings "
                                f"({len(strings)} entries)")
-        values = {strings[i] for i in used}
+        if name == "op":
+            ops = {i: canonical_op(strings[i]) for i in used}
+            values = set(ops.values())
+        else:
+            values = {strings[i] for i in used}
         limit = _LIMITS.get(name)
         if limit is not None:
             longest = max(values, key=len)
@@ -161,7 +194,7 @@ def _column_rows(block: events_pb2.CollectiveColumns) -> list[tuple]:
     get = strings.__getitem__
     return list(zip(
         map(get, block.job_id), block.attempt, block.rank, map(get, block.group), block.seq,
-        block.group_size, map(get, block.op), map(get, block.input_sizes),
+        block.group_size, map(ops.__getitem__, block.op), map(get, block.input_sizes),
         map(get, block.input_dtypes), map(get, block.output_sizes), map(get, block.output_dtypes),
         block.enter_ns, [x or None for x in block.exit_ns], map(get, block.state),
         block.exit_estimated, block.step,
@@ -282,8 +315,16 @@ def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
                 })
                 if ev.state == _RESTORED:
                     out.restored.append((ev.job_id, ev.attempt, ev.restored_step))
+            elif kind == "checkpoint" and event.checkpoint.invalid:
+                ev = event.checkpoint
+                out.checkpoints.pop((ev.job_id, ev.step), None)  # the later event wins
+                out.invalid_checkpoints[(ev.job_id, ev.step)] = {
+                    "job_id": ev.job_id, "attempt": ev.attempt, "step": ev.step,
+                    "reason": ev.reason or "failed manifest verification",
+                    "at": ev.time_ns / 1e9 if ev.time_ns else time.time()}
             elif kind == "checkpoint":
                 ev = event.checkpoint
+                out.invalid_checkpoints.pop((ev.job_id, ev.step), None)
                 # Same (job, step) twice in one statement would make PostgreSQL refuse it.
                 out.checkpoints[(ev.job_id, ev.step)] = {
                     "job_id": ev.job_id, "attempt": ev.attempt, "step": ev.step, "path": ev.path,
@@ -354,8 +395,24 @@ def _write_other(session: Session, dialect_name: str, batch: PreparedBatch) -> N
             upsert(dialect_name, Checkpoint.__table__, ["job_id", "step"],
                    {col: (lambda ex, col=col: ex[col]) for col in cols}),
             list(batch.checkpoints.values()))
+    for bad in batch.invalid_checkpoints.values():
+        invalidate_checkpoint(session, bad["job_id"], bad["attempt"], bad["step"], bad["reason"], bad["at"])
     if batch.sdc:
         session.execute(insert(metadata.tables["sdc_checks"]), batch.sdc)
     for job_id, attempt, step in batch.restored:
         session.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt)
                         .values(restored_step=step))
+
+
+def invalidate_checkpoint(session: Session, job_id: str, attempt: int, step: int, reason: str,
+                          at: float) -> bool:
+    """Clear ``valid`` of checkpoint ``step`` of the job and record why (a ``ckpt_invalid``
+    action of ``attempt``); False, and nothing written, when the store has no such row
+    (e.g. a step directory that was never committed)."""
+    res = session.execute(update(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+                          .values(valid=False))
+    if res.rowcount == 0:
+        return False
+    session.add(Action(job_id=job_id, attempt=attempt, kind=CKPT_INVALID,
+                       cause=f"checkpoint of step {step} invalid: {reason}", at=at))
+    return True

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from fleet.controlplane.lifecycle import AttemptState, JobState, NodeState
 from fleet.proto.kinds import IncidentKind
+
+#: The action kind that records why a checkpoint stopped being valid (its cause says why).
+CKPT_INVALID = "ckpt_invalid"
 
 
 @dataclass(frozen=True)
@@ -268,3 +271,51 @@ class IngestDropRecord:
     reason: str
     source: str  # "agent" | "controller"
     at: float
+
+
+# -- prepared rows: a batch's rows as the live path (the watchdog) reads them -------------
+# NamedTuples, not dataclasses: a view is built per row of every batch the watchdog
+# sees, and a tuple costs the least to make.
+
+
+class StepRow(NamedTuple):
+    """One step of one rank, as a prepared batch carries it."""
+
+    job_id: str
+    attempt: int
+    rank: int
+    step: int
+    end_ns: int  # when the step ended (the worker's clock)
+    step_time_s: float
+    loss: float
+
+
+class CollectiveRow(NamedTuple):
+    """One collective of one rank, as a prepared batch carries it (the ``collectives``
+    table's columns, in order; sizes and dtypes still as JSON text)."""
+
+    job_id: str
+    attempt: int
+    rank: int
+    group: str
+    seq: int
+    group_size: int
+    op: str  # canonical (fleet.proto.vocab)
+    input_sizes: str
+    input_dtypes: str
+    output_sizes: str
+    output_dtypes: str
+    enter_ns: int
+    exit_ns: int | None
+    state: str  # "started" | "completed" | "failed"
+    exit_estimated: bool
+    step: int
+
+
+class StatusRow(NamedTuple):
+    """One worker status report, as a prepared batch carries it."""
+
+    job_id: str
+    attempt: int
+    rank: int
+    state: str  # a WorkerStatus.State name, e.g. "FAILED"

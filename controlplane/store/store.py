@@ -571,13 +571,19 @@ class Store:
             row = s.scalars(stmt.order_by(Checkpoint.step.desc()).limit(1)).first()
             return None if row is None else self._checkpoint_record(row)
 
-    def invalidate_checkpoint(self, job_id: str, step: int) -> None:
-        """Mark a checkpoint invalid (failed validation, or saved after corruption)."""
+    def invalidate_checkpoint(self, job_id: str, step: int, reason: str = "",
+                              attempt: int | None = None) -> None:
+        """Mark a checkpoint invalid (it failed manifest verification, was corrupted, or was
+        saved after corruption) and record ``reason`` as a ``ckpt_invalid`` action of
+        ``attempt`` (default: the attempt that saved it). The manifest on disk is the
+        truth; this keeps the store's flag, which replay and report show, in step with it."""
         with self._tx(write=True) as s:
-            res = s.execute(update(Checkpoint).where(Checkpoint.job_id == job_id,
-                                                     Checkpoint.step == step).values(valid=False))
-            if res.rowcount == 0:
+            row = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id,
+                                                     Checkpoint.step == step)).first()
+            if row is None:
                 raise NotFoundError(f"checkpoint of job {job_id!r} at step {step} not found")
+            ingest.invalidate_checkpoint(s, job_id, row.attempt if attempt is None else attempt, step,
+                                         reason or "marked invalid", time.time())
 
     # -- telemetry queries ----------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from fleet.agent.node_agent import NodeAgent
+from fleet.agent.settings import AgentSettings
 from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
 from fleet.controlplane.config import DetectConfig
 from fleet.controlplane.control_server import ControlServicer
@@ -323,7 +324,7 @@ def test_the_agent_stream_feeds_the_watchdog_and_a_dead_agent_is_lost(store: Sto
     wd = Watchdog(store, job, CFG, incidents, lambda: registry.silent_for(time.monotonic()), agent_timeout_s=1.0)
     server = _server(store, registry, wd.observe)
     agent = NodeAgent(node_name="node-0", controller_address=server.address, token=TOKEN,
-                      batch_interval_s=0.05, heartbeat_interval_s=0.2)
+                      settings=AgentSettings(batch_interval_s=0.05, heartbeat_interval_s=0.2))
     try:
         with wd:
             wd.watch(1, ["node-0"] * 2)
@@ -352,7 +353,7 @@ def test_a_failing_observer_does_not_break_ingest(store: Store, job: str) -> Non
 
     server = _server(store, AgentRegistry(), broken)
     agent = NodeAgent(node_name="node-0", controller_address=server.address, token=TOKEN,
-                      batch_interval_s=0.05, heartbeat_interval_s=0.2)
+                      settings=AgentSettings(batch_interval_s=0.05, heartbeat_interval_s=0.2))
     try:
         agent.start(connect_timeout_s=10)
         with grpc.insecure_channel(agent.local_address) as channel:
@@ -370,9 +371,7 @@ def test_a_failing_observer_does_not_break_ingest(store: Store, job: str) -> Non
 # -- the bounded live diagnosis ----------------------------------------------------------------
 
 def test_recent_collectives_are_a_bounded_window_with_the_laggards_last_entry(store: Store, job: str) -> None:
-    from fleet.controlplane.diagnosis import diagnose
-    from fleet.controlplane.replay import diagnose_attempt
-    from fleet.controlplane.watchdog import recent_traces
+    from fleet.controlplane.diagnosis import diagnose, diagnose_attempt, recent_traces
 
     feed = Feed(store, Watchdog(store, job, CFG, Incidents()))  # never started: observes nothing
     feed.send([group_ev(job, r) for r in WORLD])

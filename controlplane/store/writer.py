@@ -28,13 +28,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fleet.controlplane.errors import UnavailableError
-from fleet.controlplane.metrics import ControllerMetrics
-from fleet.controlplane.store import HealthRecord, Store
 from fleet.controlplane.store.ingest import InvalidBatch, PreparedBatch
+from fleet.controlplane.store.records import HealthRecord
+from fleet.controlplane.store.store import Store
 from fleet.proto import agent_pb2
+
+if TYPE_CHECKING:  # the controller passes its metrics in; the store never builds them
+    from fleet.controlplane.metrics import ControllerMetrics
 
 log = logging.getLogger(__name__)
 
