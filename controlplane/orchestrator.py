@@ -13,10 +13,10 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from fleet.controlplane.config import AgentConfig, ControllerConfig, RayConfig
+from fleet.agent.settings import AgentSettings
+from fleet.controlplane.config import ControllerConfig, RayConfig
 from fleet.controlplane.errors import UnavailableError
 
 # Ray resolves its node address to loopback only with this set (read at import time).
@@ -134,22 +134,17 @@ class AgentSet:
         nodes: list[NodeInfo],
         controller_address: str,
         token: str,
-        agent: AgentConfig,
+        settings: AgentSettings,
         controller: ControllerConfig,
-        spill_dir: Path,
     ) -> None:
+        """Start an agent on every node, each with ``settings`` (``ClusterConfig.agent_settings()``),
+        dialling ``controller_address`` with ``controller``'s TLS files; waits at most
+        ``controller.agent_start_timeout_s`` for them."""
         self._start_timeout_s = controller.agent_start_timeout_s
         self._args = dict(
             controller_address=controller_address,
             token=token,
-            batch_max_events=agent.batch_max_events,
-            batch_max_bytes=agent.batch_max_bytes,
-            batch_interval_s=agent.batch_interval_s,
-            heartbeat_interval_s=controller.heartbeat_interval_s,
-            memory_max_bytes=agent.memory_max_bytes,
-            spill_dir=spill_dir,
-            spill_max_bytes=agent.spill_max_bytes,
-            max_message_bytes=controller.max_message_bytes,
+            settings=settings,
             tls=controller.tls.client_files(),
         )
         for node in nodes:
