@@ -2,11 +2,14 @@
 
 What is tested is the artifact a user installs, never the checkout: the working tree
 (tracked and untracked files git does not ignore, so no stale ``build/`` or egg-info can
-leak in) is copied to a temporary folder, built into a wheel offline
-(``pip wheel --no-deps --no-build-isolation --no-index``; build isolation would have to
-download setuptools), and installed with ``--no-deps`` into a venv made without system
-site-packages. Every command then runs as ``python -I`` from a folder outside the
-repository, so neither the checkout nor ``PYTHONPATH`` is on ``sys.path``.
+leak in) is copied to a temporary folder and built into a wheel offline (``pip wheel
+--no-deps --no-build-isolation --no-index``: build isolation would have to download
+setuptools; ``--check-build-dependencies`` still holds pyproject.toml's
+``build-system.requires`` to what builds it), which is installed with ``--no-deps`` into
+a venv made without system site-packages. Every command then runs as ``python -I -B``
+from a folder outside the repository, so neither the checkout nor ``PYTHONPATH`` is on
+``sys.path``, and no bytecode is written through the symlinks below into the project's
+venv.
 
 The heavy dependencies (torch, ray, grpc, ...) cannot be downloaded here, so the fresh
 venv borrows them from the project's venv, honestly narrowed: a ``deps/`` folder holds
@@ -22,6 +25,7 @@ distributions (``google/``) is linked whole.
 from __future__ import annotations
 
 import ast
+import email
 import json
 import os
 import shutil
@@ -116,15 +120,13 @@ def _link_dependencies(dists: list[metadata.Distribution], deps: Path) -> None:
     deps.mkdir()
     for dist in dists:
         base = Path(dist.locate_file(""))
-        tops = {PurePosixPath(f).parts[0] for f in dist.files or []}
-        if not dist.files:
-            tops = set((dist.read_text("top_level.txt") or "").split())
+        tops = {PurePosixPath(f).parts[0] for f in dist.files or []} or \
+            set((dist.read_text("top_level.txt") or "").split())   # no RECORD: module names only
         for top in sorted(tops - {"..", "__pycache__"}):
-            src, dst = base / top, deps / top
-            if not dst.exists() and (src.exists() or (base / f"{top}.py").exists()):
-                if not src.exists():
-                    src, dst = base / f"{top}.py", deps / f"{top}.py"
-                dst.symlink_to(src, target_is_directory=src.is_dir())
+            for name in (top, f"{top}.py"):
+                if (base / name).exists() and not (deps / name).exists():
+                    (deps / name).symlink_to(base / name, target_is_directory=(base / name).is_dir())
+                    break
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +137,7 @@ def installed(tmp_path_factory) -> Installed:
     elsewhere.mkdir()
     _copy_worktree(src)
     _ok(_run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-              "-q", "-w", str(dist), str(src)], cwd=root), "pip wheel")
+              "--check-build-dependencies", "-q", "-w", str(dist), str(src)], cwd=root), "pip wheel")
     (wheel,) = dist.glob("fleet-*.whl")
 
     venv.EnvBuilder(system_site_packages=False, with_pip=False, symlinks=True).create(env)
@@ -147,22 +149,11 @@ def installed(tmp_path_factory) -> Installed:
 
     with zipfile.ZipFile(wheel) as zf:
         meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-        requires = [v for k, v in _headers(zf.read(meta).decode()) if k == "Requires-Dist"]
-    base_reqs = [r for r in requires if Requirement(r).marker is None
-                 or Requirement(r).marker.evaluate({"extra": ""})]
-    _link_dependencies(_dependency_closure(base_reqs), root / "deps")
+        requires = email.message_from_string(zf.read(meta).decode()).get_all("Requires-Dist") or []
+    assert requires, "the wheel's METADATA declares no dependencies"
+    _link_dependencies(_dependency_closure(requires), root / "deps")
     (site / "_fleet_test_deps.pth").write_text(f"{root / 'deps'}\n")
     return Installed(wheel, python, site, env / "bin" / "fleet", elsewhere)
-
-
-def _headers(text: str) -> list[tuple[str, str]]:
-    """``(key, value)`` of a METADATA file's header block (up to the blank line)."""
-    out = []
-    for line in text.split("\n\n", 1)[0].splitlines():
-        if ":" in line and not line.startswith((" ", "\t")):
-            k, v = line.split(":", 1)
-            out.append((k, v.strip()))
-    return out
 
 
 def _wheel_names(wheel: Path) -> list[str]:
@@ -219,7 +210,10 @@ mods = ["fleet", "fleet.controlplane", "fleet.controlplane.cli.main", "fleet.con
         "fleet.workers.flight", "fleet.workers.trainer", "fleet.proto", "fleet.proto.kinds"]
 files = {m: importlib.import_module(m).__file__ for m in mods}
 old = {n: (s.origin if (s := importlib.util.find_spec(n)) else None) for n in %r}
-print(json.dumps({"files": files, "old": old, "path": sys.path,
+from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
+load_cluster_config(DEFAULT_CLUSTER_FILE)
+print(json.dumps({"files": files, "old": old, "path": sys.path, "cluster": str(DEFAULT_CLUSTER_FILE),
+                  "undeclared": [n for n in ("pytest", "hypothesis", "grpc_tools") if importlib.util.find_spec(n)],
                   "dist": str(importlib.metadata.distribution("fleet").locate_file(""))}))
 """ % (OLD_TOP_LEVEL,)
     out = json.loads(_ok(_run([str(installed.python), "-I", "-B", "-c", "import importlib.metadata\n" + probe],
@@ -227,6 +221,8 @@ print(json.dumps({"files": files, "old": old, "path": sys.path,
     for mod, file in out["files"].items():
         assert Path(file).is_relative_to(installed.site), f"{mod} imported from {file}, not the fresh venv"
     assert Path(out["dist"]) == installed.site
+    assert Path(out["cluster"]).is_relative_to(installed.site), f"the default cluster.yaml is {out['cluster']}"
+    assert not out["undeclared"], f"the fresh venv sees test-only packages {out['undeclared']}: not isolated"
     assert not any(Path(p).resolve() == REPO for p in out["path"] if p), f"the checkout is on sys.path: {out['path']}"
     for name, origin in out["old"].items():
         assert origin is None or not Path(origin).resolve().is_relative_to(REPO), \
@@ -273,3 +269,16 @@ def test_replay_dumps_names_the_culprit(installed, tmp_path, case, culprit):
     verdict = json.loads(out)
     assert (verdict["verdict"], verdict["culprit_ranks"]) == (plant.verdict, [culprit]), \
         json.dumps(verdict, indent=1)[:3000]
+
+
+def test_db_upgrade_runs_the_packaged_migrations(installed, tmp_path):
+    """The alembic scripts travel in the wheel: a new store is migrated to this tree's
+    newest revision."""
+    newest = max(p.name.split("_", 1)[0]
+                 for p in (REPO / "controlplane" / "store" / "migrations" / "versions").glob("[0-9]*_*.py"))
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    fleet = [str(installed.python), "-I", "-B", str(installed.fleet), "db"]
+    _ok(_run([*fleet, "upgrade", "--url", url], cwd=installed.elsewhere, timeout=120), "fleet db upgrade")
+    state = json.loads(_ok(_run([*fleet, "current", "--url", url, "--json"], cwd=installed.elsewhere, timeout=120),
+                           "fleet db current"))
+    assert (state["state"], state["current"], state["head"]) == ("head", newest, newest), state
