@@ -15,7 +15,6 @@ the detector that fired and its evidence.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import median
@@ -31,6 +30,8 @@ class ObservedFailure(Protocol):
     node: str
     actor_died: bool
     error: str
+    nonfinite_step: int                # > 0: the rank failed on a non-finite loss at this step
+    nonfinite_ranks: Sequence[int]     # ...and these ranks' own loss was not finite
 
 
 @dataclass(frozen=True)
@@ -48,19 +49,6 @@ class Incident:
         object.__setattr__(self, "kind", IncidentKind(self.kind))
 
 
-#: What a worker raises on a non-finite loss; every rank whose loss was not finite is listed.
-NONFINITE_LOSS = re.compile(r"non-finite loss at step (\d+) on rank\(s\) \[([0-9,\s]*)\]")
-
-
-def parse_nonfinite_loss(error: str) -> tuple[int, list[int]] | None:
-    """``(step, ranks)`` from an error text holding ``non-finite loss at step S on rank(s)
-    [r1, r2]``; None when it holds no such message."""
-    m = NONFINITE_LOSS.search(error)
-    if m is None:
-        return None
-    return int(m.group(1)), [int(r) for r in m.group(2).replace(",", " ").split()]
-
-
 def _node_of(rank: int, nodes: Sequence[str] | None, failures: Iterable[ObservedFailure] = ()) -> str:
     if nodes is not None and 0 <= rank < len(nodes):
         return nodes[rank]
@@ -71,9 +59,10 @@ def attribute_failures(failures: Sequence[ObservedFailure],
                        nodes: Sequence[str] | None = None) -> Incident | None:
     """Blame the failure of an attempt on one rank.
 
-    A non-finite loss is the cause when any rank reports one: the first rank the message
-    lists is named (its node from ``nodes``, where ``nodes[r]`` is rank r's node). Else a
-    rank whose process died is the cause; ranks that merely raised (typically a gloo
+    A non-finite loss is the cause when any rank reports one (``nonfinite_step`` > 0):
+    the first of its ``nonfinite_ranks`` is named, or the reporting rank when none is
+    listed (its node from ``nodes``, where ``nodes[r]`` is rank r's node). Else a rank
+    whose process died is the cause; ranks that merely raised (typically a gloo
     "connection closed by peer" because their partner died) are its victims. With several
     deaths, the lowest rank is named and the others are listed as evidence.
     """
@@ -95,16 +84,16 @@ def attribute_failures(failures: Sequence[ObservedFailure],
 
 
 def _nonfinite_incident(failures: Sequence[ObservedFailure], nodes: Sequence[str] | None) -> Incident | None:
-    reports = sorted(((f, parsed) for f in failures if (parsed := parse_nonfinite_loss(f.error))),
-                     key=lambda fp: fp[0].rank)
+    reports = sorted((f for f in failures if f.nonfinite_step > 0), key=lambda f: f.rank)
     if not reports:
         return None
-    reporter, (step, ranks) = reports[0]
+    reporter = reports[0]
+    step, ranks = reporter.nonfinite_step, list(reporter.nonfinite_ranks)
     rank = ranks[0] if ranks else reporter.rank
     node = _node_of(rank, nodes, failures)
     return Incident(IncidentKind.NAN, "nan", rank, node,
                     f"non-finite loss at step {step} on rank(s) {ranks or [reporter.rank]} "
-                    f"(raised by rank(s) {[f.rank for f, _ in reports]})")
+                    f"(raised by rank(s) {[f.rank for f in reports]})")
 
 
 def attribute_with_trace(incident: Incident, verdict: str, culprit_ranks: Sequence[int], summary: str,

@@ -13,10 +13,10 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from fleet.agent.settings import AgentSettings
-from fleet.controlplane.config import ControllerConfig, RayConfig
+from fleet.controlplane.config import AgentConfig, ControllerConfig, RayConfig
 from fleet.controlplane.errors import UnavailableError
 
 # Ray resolves its node address to loopback only with this set (read at import time).
@@ -26,6 +26,7 @@ import ray  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from fleet.agent.ray_actor import AgentActor  # noqa: E402
+from fleet.workers.failures import NonFiniteLossError  # noqa: E402
 from fleet.workers.ray_actor import WorkerActor  # noqa: E402
 from fleet.workers.spec import WorkerSpec  # noqa: E402
 
@@ -53,6 +54,10 @@ class RankFailure:
     node: str
     actor_died: bool      # the process is gone (exit, kill, OOM), not a Python exception
     error: str
+    #: a non-finite loss (``fleet.workers.failures.NonFiniteLossError``'s fields): its
+    #: step (0: the failure was something else) and the ranks whose loss was not finite
+    nonfinite_step: int = 0
+    nonfinite_ranks: tuple[int, ...] = ()
 
 
 class RayRuntime:
@@ -134,17 +139,22 @@ class AgentSet:
         nodes: list[NodeInfo],
         controller_address: str,
         token: str,
-        settings: AgentSettings,
+        agent: AgentConfig,
         controller: ControllerConfig,
+        spill_dir: Path,
     ) -> None:
-        """Start an agent on every node, each with ``settings`` (``ClusterConfig.agent_settings()``),
-        dialling ``controller_address`` with ``controller``'s TLS files; waits at most
-        ``controller.agent_start_timeout_s`` for them."""
         self._start_timeout_s = controller.agent_start_timeout_s
         self._args = dict(
             controller_address=controller_address,
             token=token,
-            settings=settings,
+            batch_max_events=agent.batch_max_events,
+            batch_max_bytes=agent.batch_max_bytes,
+            batch_interval_s=agent.batch_interval_s,
+            heartbeat_interval_s=controller.heartbeat_interval_s,
+            memory_max_bytes=agent.memory_max_bytes,
+            spill_dir=spill_dir,
+            spill_max_bytes=agent.spill_max_bytes,
+            max_message_bytes=controller.max_message_bytes,
             tls=controller.tls.client_files(),
         )
         for node in nodes:
@@ -340,7 +350,8 @@ class WorkerGroup:
                 failures.append(RankFailure(rank, self.placement[rank].name, True, _one_line(exc)))
                 self.results[rank] = {"error": str(exc)}
             except ray.exceptions.RayError as exc:
-                failures.append(RankFailure(rank, self.placement[rank].name, False, _one_line(exc)))
+                failures.append(RankFailure(rank, self.placement[rank].name, False, _one_line(exc),
+                                            *nonfinite_loss(exc)))
                 self.results[rank] = {"error": str(exc)}
         return failures
 
@@ -391,6 +402,15 @@ class WorkerGroup:
                 ray.get(ref, timeout=left)
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
                 pass
+
+
+def nonfinite_loss(exc: BaseException) -> tuple[int, tuple[int, ...]]:
+    """``(step, ranks)`` of a rank's ``NonFiniteLossError`` as Ray hands it over (the
+    task error's ``cause``, unpickled with its fields); ``(0, ())`` for any other error."""
+    cause = getattr(exc, "cause", exc)
+    if isinstance(cause, NonFiniteLossError):
+        return cause.step, tuple(cause.ranks)
+    return 0, ()
 
 
 def _one_line(exc: BaseException) -> str:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from fleet.proto import events_pb2
 from fleet.workers import metrics, native_fr
+from fleet.workers.failures import status_fields
 from fleet.workers.env import apply_worker_env
 from fleet.workers.faults import FaultHooks
 from fleet.workers.native_fr import NativeFlightTail
@@ -60,12 +61,14 @@ class _Emitter:
         self.spec = spec
         self.reporter = reporter
 
-    def status(self, state: int, *, phase_s: float = 0.0, restored_step: int = 0, detail: str = "") -> None:
+    def status(self, state: int, *, phase_s: float = 0.0, restored_step: int = 0, detail: str = "",
+               **failure: object) -> None:
+        """``failure``: a FAILED report's fields (``workers.failures.status_fields``)."""
         s = self.spec
         self.reporter.emit(events_pb2.Event(status=Status(
             job_id=s.job_id, attempt=s.attempt, rank=s.rank, state=state, time_ns=time.time_ns(),
             pid=os.getpid(), hostname=socket.gethostname(), restored_step=restored_step,
-            detail=detail, phase_s=phase_s)))
+            detail=detail, phase_s=phase_s, **failure)))
 
     def step(self, r: StepResult, trainer: Trainer) -> None:
         s = self.spec
@@ -134,7 +137,7 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None, *,
         failed = True
         if links[0] is not None:  # no peer may stay blocked on this process (peer_links.py)
             links[0].sever()
-        emit.status(Status.FAILED, detail=f"{type(exc).__name__}: {exc}"[:4000])
+        emit.status(Status.FAILED, detail=f"{type(exc).__name__}: {exc}"[:4000], **status_fields(exc))
         raise
     finally:
         if dist.is_initialized() and own_pg:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from fleet.workers import checkpoint, data, flops, metrics, parallel, snapshot
+from fleet.workers.failures import NonFiniteLossError
 from fleet.workers.model import Transformer
 from fleet.workers.recorder import FlightRecorder
 from fleet.workers.schedule import lr_at
@@ -47,16 +48,6 @@ BIAS_UPDATE_RATE = 1e-3
 #: Slots of the per-step stats vector before the per-rank flags: loss, router loss, stop
 #: vote, checkpoint-written flag.
 _STATS_HEAD = 4
-
-
-class NonFiniteLossError(RuntimeError):
-    """Some rank's loss was NaN or infinite: every rank raises it after the same step
-    (the controller's nan detector reads the ranks from the message)."""
-
-    def __init__(self, step: int, ranks: list[int]) -> None:
-        super().__init__(f"non-finite loss at step {step} on rank(s) {ranks}")
-        self.step = step
-        self.ranks = ranks
 
 
 @dataclass

@@ -21,6 +21,8 @@ class Failure:
     node: str
     actor_died: bool
     error: str
+    nonfinite_step: int = 0
+    nonfinite_ranks: tuple[int, ...] = ()
 
 
 def test_no_failures_is_no_incident() -> None:
@@ -131,15 +133,16 @@ def test_trace_verdict_names_the_culprit_when_nobody_died() -> None:
 
 # -- non-finite loss --------------------------------------------------------------------------
 
-NAN_MSG = "RuntimeError: non-finite loss at step 42 on rank(s) [2, 3]"
+NAN_MSG = "NonFiniteLossError: non-finite loss at step 42 on rank(s) [2, 3]"
+
+
+def _nan(rank: int, node: str, step: int, ranks: tuple[int, ...], error: str = NAN_MSG) -> Failure:
+    """A rank that raised NonFiniteLossError, as the orchestrator reports it: fields, not text."""
+    return Failure(rank, node, False, error, nonfinite_step=step, nonfinite_ranks=ranks)
 
 
 def test_nonfinite_loss_names_the_first_listed_rank_and_its_node() -> None:
-    from fleet.controlplane.detectors import parse_nonfinite_loss
-
-    assert parse_nonfinite_loss(NAN_MSG) == (42, [2, 3])
-    assert parse_nonfinite_loss("ValueError: loss is nan") is None
-    failures = [Failure(r, f"node-{r // 2}", False, NAN_MSG) for r in range(4)]
+    failures = [_nan(r, f"node-{r // 2}", 42, (2, 3)) for r in range(4)]
     nodes = ["node-a", "node-a", "node-b", "node-b"]
     inc = attribute_failures(failures, nodes=nodes)
     assert inc == Incident(
@@ -152,19 +155,25 @@ def test_nonfinite_loss_outranks_a_death_and_works_without_nodes() -> None:
     failures = [
         Failure(0, "node-0", False, PEER_CLOSED),
         Failure(3, "node-1", True, "actor died"),
-        Failure(1, "node-0", False, "RuntimeError: non-finite loss at step 7 on rank(s) [1]"),
+        _nan(1, "node-0", 7, (1,)),
     ]
     inc = attribute_failures(failures)  # nodes not given: the failure's own node
     assert inc is not None
     assert (inc.kind, inc.detector, inc.rank, inc.node) == ("nan", "nan", 1, "node-0")
     # a listed rank outside `nodes` and absent from the failures has no node
-    inc = attribute_failures([Failure(0, "node-0", False, "non-finite loss at step 1 on rank(s) [9]")],
-                             nodes=["node-0"])
+    inc = attribute_failures([_nan(0, "node-0", 1, (9,))], nodes=["node-0"])
     assert inc is not None and (inc.rank, inc.node) == (9, "")
+    # no rank's own loss was flagged (only the global mean overflowed): the reporter is named
+    inc = attribute_failures([Failure(0, "node-0", False, PEER_CLOSED), _nan(2, "node-1", 5, ())])
+    assert inc is not None and (inc.kind, inc.rank, inc.node) == ("nan", 2, "node-1")
+    assert inc.evidence == "non-finite loss at step 5 on rank(s) [2] (raised by rank(s) [2])"
 
 
-def test_nan_in_the_text_without_the_marker_stays_an_error() -> None:
+def test_nan_in_the_text_without_the_fields_stays_an_error() -> None:
     inc = attribute_failures([Failure(0, "node-0", False, "ValueError: loss is nan")], nodes=["n0"])
+    assert inc is not None and inc.kind == "error"
+    # the text alone is not parsed: only the structured fields make a nan incident
+    inc = attribute_failures([Failure(0, "node-0", False, NAN_MSG)], nodes=["n0"])
     assert inc is not None and inc.kind == "error"
 
 
@@ -346,11 +355,14 @@ def test_agents_lost_past_the_timeout() -> None:
 
 
 def test_nonfinite_loss_inside_a_ray_task_error() -> None:
+    # Ray's task error: a traceback as text, and the NonFiniteLossError's fields, which
+    # the orchestrator copies into the failure (test_failures.py covers that hop)
     error = ("ray.exceptions.RayTaskError(NonFiniteLossError): ray::RankActor.run() (pid=41, ip=127.0.0.1)\n"
              "  File \"workers/trainer.py\", line 287, in step\n"
-             "fleet.workers.trainer.NonFiniteLossError: non-finite loss at step 12 on rank(s) [3]")
-    inc = attribute_failures([Failure(0, "node-0", False, error)], nodes=NODES4)
+             "fleet.workers.failures.NonFiniteLossError: non-finite loss at step 12 on rank(s) [3]")
+    inc = attribute_failures([_nan(0, "node-0", 12, (3,), error)], nodes=NODES4)
     assert inc is not None and (inc.kind, inc.rank, inc.node) == ("nan", 3, "node-1")
+    assert inc.evidence == "non-finite loss at step 12 on rank(s) [3] (raised by rank(s) [0])"
 
 
 def test_detect_config_defaults_and_ordering() -> None:
@@ -380,7 +392,6 @@ def test_an_incident_kind_is_an_incident_kind_enum_and_an_unknown_one_is_refused
 def test_every_detector_builds_enum_kinds() -> None:
     died = attribute_failures([Failure(0, "node-0", True, "killed")], ["node-0"])
     raised = attribute_failures([Failure(0, "node-0", False, "boom")], ["node-0"])
-    nan = attribute_failures([Failure(0, "node-0", False, "non-finite loss at step 1 on rank(s) [0]")],
-                             ["node-0"])
+    nan = attribute_failures([_nan(0, "node-0", 1, (0,))], ["node-0"])
     assert [(type(i.kind), i.kind) for i in (died, raised, nan)] == [
         (IncidentKind, IncidentKind.CRASH), (IncidentKind, IncidentKind.ERROR), (IncidentKind, IncidentKind.NAN)]

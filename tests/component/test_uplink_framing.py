@@ -1,0 +1,87 @@
+"""The bytes a real Uplink writes are what the generated classes and the contract say.
+
+A real gRPC server on 127.0.0.1 registers Connect at the contract's method path without
+a deserializer, so it sees the uplink's hand-framed messages byte for byte; each one must
+start with the descriptor-derived key and parse with the generated ``AgentMessage``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from fleet.agent.uplink import Uplink
+from fleet.proto import agent_pb2, contract, events_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "framing-token"
+
+
+class RawConnect:
+    """Connect with no deserializer: keeps every message's raw bytes, acks every batch."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.raw: list[bytes] = []
+        self.tokens: list[str | None] = []
+
+    def __call__(self, request_iterator, context):  # noqa: ANN001
+        self.tokens.append(dict(context.invocation_metadata()).get(contract.TOKEN_METADATA_KEY))
+        for data in request_iterator:
+            with self.cond:
+                self.raw.append(data)
+                self.cond.notify_all()
+            msg = agent_pb2.AgentMessage.FromString(data)
+            if msg.WhichOneof("msg") == "hello":
+                yield agent_pb2.ControllerMessage(welcome=agent_pb2.Welcome(controller_id="raw"))
+            elif msg.WhichOneof("msg") == "batch":
+                yield agent_pb2.ControllerMessage(ack=agent_pb2.Ack(epoch=msg.batch.epoch, seq=msg.batch.seq))
+
+
+def test_uplink_frames_batches_with_the_contract_tags() -> None:
+    handler = RawConnect()
+    method = grpc.stream_stream_rpc_method_handler(
+        handler, request_deserializer=None, response_serializer=agent_pb2.ControllerMessage.SerializeToString)
+    executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="fleet-test-raw-connect")
+    server = grpc.server(executor)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        contract.AGENT_SERVICE, {contract.CONNECT_METHOD: method}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    events = [events_pb2.Event(step=events_pb2.StepEvent(job_id="j", attempt=1, rank=0, step=s, loss=1.0 / s))
+              for s in range(1, 301)]
+    hello = agent_pb2.Hello(agent_id="agent-n0", node_name="n0", token=TOKEN, epoch=11)
+    up = Uplink(controller_address=f"127.0.0.1:{port}", token=TOKEN, hello=hello, on_command=lambda c: None,
+                heartbeat=lambda: agent_pb2.Heartbeat(agent_id="agent-n0", time_ns=time.time_ns()),
+                reconnect_max_s=0.2)
+    try:
+        up.start()
+        for first in range(0, len(events), 100):   # several batches, each cut by a flush
+            up.submit(events[first:first + 100])
+            assert up.flush(20), up.stats()
+    finally:
+        up.close()
+        server.stop(0).wait(5)
+        executor.shutdown(wait=True)
+    assert handler.tokens and set(handler.tokens) == {TOKEN}
+    batches = [data for data in handler.raw
+               if agent_pb2.AgentMessage.FromString(data).WhichOneof("msg") == "batch"]
+    assert len(batches) == 3
+    received = []
+    for data in batches:
+        assert data.startswith(contract.AGENT_MESSAGE_BATCH_TAG)
+        batch = agent_pb2.AgentMessage.FromString(data).batch
+        assert (batch.agent_id, batch.epoch) == ("agent-n0", 11)
+        # the events field of the batch, as sent, is the concatenation the contract's tag frames
+        body = data[len(contract.AGENT_MESSAGE_BATCH_TAG):]
+        header = agent_pb2.EventBatch(agent_id="agent-n0", epoch=11, seq=batch.seq).SerializeToString()
+        assert body.endswith(header + b"".join(
+            contract.EVENT_BATCH_EVENTS_TAG + contract.encode_varint(e.ByteSize()) + e.SerializeToString()
+            for e in batch.events))
+        received += batch.events
+    assert received == events
