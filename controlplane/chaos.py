@@ -15,7 +15,8 @@ controller's ``fire`` callback on its own named daemon thread. An order for a ra
 order with ``after_s`` is due that many seconds after it was submitted; agent and
 controller orders with ``at_step`` are due once the job's step reaches it.
 
-No Ray and no gRPC here: the controller wires ``fire`` to its agents and store.
+No Ray and no gRPC here: ``fire`` is ``chaos_fire.ChaosFirer.fire``, which the
+controller wires to its agents and workers.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,11 +24,12 @@ from fleet.agent.node_agent import NodeAgent
 from fleet.agent.settings import AgentSettings
 from fleet.controlplane.config import ClusterConfig, ControllerConfig, RayConfig
 from fleet.controlplane.controller import Controller, Progress, RunResult
+from fleet.controlplane.errors import NotFoundError, StateError
 from fleet.controlplane.lifecycle import AttemptState, JobState
 from fleet.controlplane.runtime import NodeInfo, Process, RankFailure, Runtime
 from fleet.controlplane.store import Store
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
-from fleet.proto.kinds import IncidentKind
+from fleet.proto.kinds import FaultKind, IncidentKind
 from fleet.workers.spec import WorkerSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,10 +40,12 @@ STEPS = 6
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one attempt does: every rank runs ``steps`` steps; ``die`` (a rank) then dies."""
+    """What one attempt does: every rank runs ``steps`` steps; then ``die`` (a rank) dies,
+    or (``hold``) the ranks keep running until killed, or they finish."""
 
     steps: int
     die: int = -1
+    hold: bool = False
 
 
 @dataclass
@@ -156,6 +160,8 @@ class ScriptedWorkers:
         for spec in specs:
             _report_steps(spec, self._outcome.steps)
         for spec in specs:
+            if self._outcome.hold:
+                continue
             if self._outcome.die < 0:
                 self.results[spec.rank] = "ok"
             elif spec.rank == self._outcome.die:
@@ -281,6 +287,51 @@ def test_max_restarts_exhausted_fails_the_job(tmp_path: Path, store: Store) -> N
     assert incident_kinds(store, result.job_id) == [IncidentKind.CRASH, IncidentKind.CRASH]
     assert store.get_job(result.job_id).state is JobState.FAILED
     assert [a.kind for a in store.actions(result.job_id)].count("restart") == 1
+
+
+def test_operators_see_the_running_job_inject_a_fault_and_stop_it(tmp_path: Path, store: Store) -> None:
+    script = Script([Outcome(2, hold=True)])
+    ctl = Controller(cluster_config(tmp_path), store, runtime=in_memory_runtime(script))
+    seen: dict[str, object] = {}
+
+    def operator() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (ctl.job_id and ctl.control.job_status("").ranks):
+            time.sleep(0.05)
+        seen["status"] = ctl.control.job_status(ctl.job_id)
+        seen["jobs"] = [j.job_id for j in ctl.control.list_jobs()]
+        crash = events_pb2.FaultSpec(kind=FaultKind.CRASH.wire, at_step=50)
+        seen["fault"] = ctl.control.inject_fault("", 1, "", crash)
+        try:
+            ctl.control.stop_job("j-other", "no")
+        except NotFoundError as exc:
+            seen["other"] = str(exc)
+        seen["stop"] = ctl.control.stop_job(ctl.job_id, "enough")
+
+    thread = threading.Thread(target=operator, name="test-operator")
+    thread.start()
+    try:
+        result = ctl.run()
+    finally:
+        thread.join(30)
+    assert result.state is JobState.STOPPED and result.reason == "enough"
+    status = seen["status"]
+    assert (status.job.job_id, status.current_attempt, list(status.nodes)) == (result.job_id, 1, ["node-0", "node-1"])
+    assert [(r.rank, r.node, r.pid) for r in status.ranks] == [(0, "node-0", 10_000), (1, "node-1", 10_001)]
+    assert seen["jobs"] == [result.job_id]
+    fault = seen["fault"]
+    assert (fault.attempt, list(fault.ranks), fault.node) == (1, [1], "node-1")
+    assert seen["other"] == f"this controller runs job {result.job_id}, not j-other"
+    assert seen["stop"] == "STOPPING"
+    [attempt] = store.get_attempts(result.job_id)
+    assert attempt.state is AttemptState.STOPPED
+    assert [a.cause for a in store.actions(result.job_id) if a.kind == "inject_fault"] == ["crash on rank 1 at step 50"]
+
+
+def test_a_fault_before_the_first_attempt_is_refused(tmp_path: Path, store: Store) -> None:
+    ctl = Controller(cluster_config(tmp_path), store, runtime=in_memory_runtime(Script([])))
+    with pytest.raises(StateError, match="has no running worker group yet"):
+        ctl.control.inject_fault("", 0, "", events_pb2.FaultSpec(kind=FaultKind.CRASH.wire))
 
 
 def test_the_controller_imports_no_ray() -> None:
