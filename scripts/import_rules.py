@@ -42,7 +42,6 @@ REPO = Path(__file__).resolve().parents[1]
 OLD_TOP_LEVEL = {"controlplane": "fleet.controlplane", "agent": "fleet.agent", "workers": "fleet.workers",
                  "fleet_proto": "fleet.proto", "proto": "fleet.proto"}   # old name -> its name now
 OTHER_DIRS = ("tests", "bench", "scripts")
-HEAVY = {"torch": "torch", "ray": "ray", "grpc": "grpc"}   # a top-level name -> what it is
 STORE = "fleet.controlplane.store"
 DIAGNOSIS = "fleet.controlplane.diagnosis"
 DECISION_LOGIC = ("fleet.controlplane.detectors", "fleet.controlplane.policy",
@@ -189,13 +188,14 @@ def _module_name(path: Path, folder: Path, root: str) -> tuple[str, bool]:
 def scan(base: Path, roots: dict[str, str], other_dirs: tuple[str, ...] = OTHER_DIRS) -> Tree:
     """Read every module below ``base`` that ``roots`` and ``other_dirs`` name."""
     fleet: dict[str, Module] = {}
-    for root, folder in roots.items():
+    claimed: set[Path] = set()
+    # deepest folder first: a root's folder inside another's is that root's, not the outer one's
+    for root, folder in sorted(roots.items(), key=lambda kv: -len(Path(kv[1]).parts)):
         for path in sorted((base / folder).rglob("*.py")):
-            if "__pycache__" in path.parts:
+            if "__pycache__" in path.parts or path in claimed:
                 continue
+            claimed.add(path)
             name, pkg = _module_name(path, base / folder, root)
-            if name in fleet:   # a folder nested in another root's folder: the deeper root owns it
-                continue
             fleet[name] = Module(name, path, pkg, generated="_pb2" in path.name)
     other = [Module(_module_name(p, base, "")[0].lstrip("."), p, p.name == "__init__.py", False)
              for d in other_dirs for p in sorted((base / d).rglob("*.py")) if "__pycache__" not in p.parts]
@@ -227,6 +227,19 @@ def forbid_outside(owner: tuple[str, ...], tops: set[str], what: str) -> Callabl
     return check
 
 
+def _heavy(target: str) -> str | None:
+    """Which forbidden dependency ``target`` belongs to: torch and its extensions (``torchvision``),
+    ray, grpc and its companion distributions (``grpc_health``, ``grpc_tools``)."""
+    top = target.split(".")[0]
+    if top.startswith("torch"):
+        return "torch"
+    if top == "ray":
+        return "ray"
+    if top == "grpc" or top.startswith("grpc_"):
+        return "grpc"
+    return None
+
+
 def forbid_transitive(subjects: tuple[str, ...], required: tuple[str, ...], what: str) -> Callable[[Tree], list[str]]:
     """Nothing the modules under ``subjects`` import, transitively (see the module
     docstring for which edges are followed), is torch, ray or grpc."""
@@ -254,12 +267,12 @@ def forbid_transitive(subjects: tuple[str, ...], required: tuple[str, ...], what
         for name in sorted(via):
             m = tree.fleet[name]
             for i in m.imports:
-                heavy = next((h for h in HEAVY if i.target.split(".")[0].startswith(h)), None)
+                heavy = _heavy(i.target)
                 if heavy and (name in own or i.module_level):
                     chain = [name]
                     while via[chain[-1]] is not None:
                         chain.append(via[chain[-1]])
-                    out.append(f"{tree.where(m, i)}: {name} imports {i.target} ({HEAVY[heavy]}), "
+                    out.append(f"{tree.where(m, i)}: {name} imports {i.target} ({heavy}), "
                                f"reached by {' <- '.join(chain)}: {what}")
         return out
     return check
