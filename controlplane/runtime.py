@@ -46,6 +46,10 @@ class RankFailure:
     #: step (0: the failure was something else) and the ranks whose loss was not finite
     nonfinite_step: int = 0
     nonfinite_ranks: tuple[int, ...] = ()
+    #: a non-finite loss (``fleet.workers.failures.NonFiniteLossError``'s fields): its
+    #: step (0: the failure was something else) and the ranks whose loss was not finite
+    nonfinite_step: int = 0
+    nonfinite_ranks: tuple[int, ...] = ()
 
 
 #: A worker process as the runtime knows it (a Ray actor handle); opaque to the controller.
