@@ -107,3 +107,70 @@ def test_actions_follow_the_snapshot_order() -> None:
                      AgentFacts("node-1", connected=True, silent_s=0.1),
                      AgentFacts("node-2", connected=True, silent_s=0.1, lost=True))
     assert kinds(actions) == [(LOST, "node-0"), (RESTART, "node-0"), (BACK, "node-2")]
+
+
+class _Agents:
+    """Stands for the runtime's agents: which processes answer, and restarts asked for."""
+
+    def __init__(self, nodes: list[str], dead: set[str]) -> None:
+        self.actors = dict.fromkeys(nodes, object())
+        self.dead = dead
+        self.restarted: list[str] = []
+
+    def alive(self, node: str, timeout_s: float = 2.0) -> bool:
+        return node not in self.dead
+
+    def restart(self, node: str) -> str:
+        self.restarted.append(node)
+        self.dead.discard(node)
+        return "127.0.0.1:1"
+
+
+def test_the_supervisor_records_the_loss_and_restarts_when_due(tmp_path) -> None:  # noqa: ANN001
+    import time
+
+    from fleet.controlplane.agent_server import AgentRegistry, AgentSession
+    from fleet.controlplane.store import Store
+    from fleet.controlplane.supervision import AgentSupervisor
+
+    now = time.monotonic()
+    registry = AgentRegistry()
+    for node, heard in (("node-0", now), ("node-1", now - 3.0)):
+        registry.attach(AgentSession(f"agent-{node}", node, 1, "127.0.0.1:1", last_heard=heard))
+    registry.detach(registry.session("node-1"))
+    agents = _Agents(["node-0", "node-1"], dead={"node-1"})
+    with Store(f"sqlite:///{tmp_path}/fleet.db") as store:
+        job = store.create_job("t", 10, "{}")
+        sup = AgentSupervisor(store, job, registry, agents, CFG)  # type: ignore[arg-type]
+        sup.agent_down_until("node-1", now + 3600.0)
+        assert kinds(sup.check(attempt=1)) == [(LOST, "node-1")]
+        assert sup.is_lost("node-1") and agents.restarted == []
+        [incident] = store.incidents(job)
+        assert (incident.kind, incident.node, incident.rank) == ("agent_loss", "node-1", -1)
+        assert incident.evidence.startswith("agent on node-1 is gone (stream closed 3.")
+        assert sup.check(attempt=1) == []  # due in an hour: nothing yet, and no second incident
+        sup.restored("node-1")  # started again before the next attempt
+        assert not sup.is_lost("node-1")
+        sup.node_down_until("node-0", now + 60.0)
+        assert sup.down_nodes(now) == {"node-0": "node-down fault, back in 60 s"}
+        assert len(store.incidents(job)) == 1
+
+
+def test_the_supervisor_restarts_a_dead_agent_at_once(tmp_path) -> None:  # noqa: ANN001
+    import time
+
+    from fleet.controlplane.agent_server import AgentRegistry, AgentSession
+    from fleet.controlplane.store import Store
+    from fleet.controlplane.supervision import AgentSupervisor
+
+    registry = AgentRegistry()
+    registry.attach(AgentSession("agent-node-1", "node-1", 1, "127.0.0.1:1", last_heard=time.monotonic() - 2.0))
+    registry.detach(registry.session("node-1"))
+    agents = _Agents(["node-1"], dead={"node-1"})
+    with Store(f"sqlite:///{tmp_path}/fleet.db") as store:
+        job = store.create_job("t", 10, "{}")
+        sup = AgentSupervisor(store, job, registry, agents, CFG)  # type: ignore[arg-type]
+        assert kinds(sup.check(attempt=2)) == [(LOST, "node-1"), (RESTART, "node-1")]
+        assert agents.restarted == ["node-1"] and not sup.is_lost("node-1")
+        assert [(a.kind, a.attempt, a.cause) for a in store.actions(job)] == \
+            [("restart_agent", 2, "agent on node-1 restarted")]
