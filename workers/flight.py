@@ -13,7 +13,10 @@
 
 ``record_collectives`` turns PyTorch's native flight recorder on (it sets
 ``TORCH_FR_BUFFER_SIZE`` unless the environment already does, so it must run before
-the process group is created) and returns a ``FlightHandle``:
+the process group is created) and returns a ``FlightHandle``. This is the library
+edge for scripts fleet did not launch: the user's environment wins here. fleet's own
+workers get the variable from ``workers/env.py``, the one place their environment is
+derived from config.
 
   * with an agent address (argument, or ``FLEET_AGENT_ADDRESS``), a background
     ``Reporter`` + ``NativeFlightTail`` stream every collective of every process group
@@ -40,6 +43,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fleet.workers import native_fr
+from fleet.workers.env import FR_BUFFER_VARS
 from fleet.workers.native_fr import NativeFlightTail
 from fleet.workers.reporter import Reporter
 from fleet.workers.spec import WorkerSpec
@@ -169,7 +173,7 @@ def record_collectives(
         raise ValueError(f"buffer_entries must be positive, got {buffer_entries}")
     if poll_interval_s <= 0 or report_interval_s <= 0:
         raise ValueError("poll_interval_s and report_interval_s must be positive")
-    configured = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    configured = next((env[name] for name in FR_BUFFER_VARS if env.get(name)), None)
     if configured is None:
         if dist.is_available() and dist.is_initialized():
             ring = _TORCH_DEFAULT_RING  # too late to size it: torch's default is on

@@ -29,10 +29,12 @@ import os
 import socket
 import sys
 import time
+import typing
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
+import pydantic
 import torch
 import torch.distributed as dist
 
@@ -46,7 +48,7 @@ from fleet.workers.peer_links import PeerLinks
 from fleet.workers.recorder import FlightRecorder
 from fleet.workers.rendezvous import rendezvous_store
 from fleet.workers.reporter import Reporter
-from fleet.workers.spec import PRESETS, TrainArgs, WorkerSpec
+from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs, WorkerSpec
 from fleet.workers.trainer import StepResult, Trainer, backend_for, pick_device
 
 log = logging.getLogger(__name__)
@@ -234,36 +236,40 @@ def _train(
     }
 
 
+def _add_recipe_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``TrainArgs`` field (``--batch-size`` for ``batch_size``), with the field's
+    default, choices and description: the recipe is defined once, in workers/spec.py."""
+    for name, info in TrainArgs.__pydantic_fields__.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = (info.description or "").replace("%", "%%")
+        if info.annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=info.default, help=help_text)
+            continue
+        choices = typing.get_args(info.annotation) if typing.get_origin(info.annotation) is typing.Literal else None
+        parser.add_argument(flag, type=type(info.default), default=info.default, choices=choices,
+                            help=f"{help_text} (default: %(default)s)")
+    # the spelling from before the flags were derived, kept for existing launch scripts
+    parser.add_argument("--sync-checkpoint", dest="async_checkpoint", action="store_false",
+                        help="the same as --no-async-checkpoint")
+
+
 def spec_from_torchrun(argv: list[str] | None = None) -> WorkerSpec:
     """Build a WorkerSpec from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT) and the command line."""
-    defaults = TrainArgs()
     parser = argparse.ArgumentParser(
         prog="python -m fleet.workers.train",
         description="Train fleet's Llama-4-style model on one rank (launch with torchrun).")
-    parser.add_argument("--steps", type=int, default=defaults.steps, help="last training step")
     parser.add_argument("--checkpoint-dir", required=True, help="where step_NNNNNNNN/ checkpoints live")
-    parser.add_argument("--checkpoint-interval", type=int, default=defaults.checkpoint_interval,
-                        help="steps between checkpoints; 0 = never")
-    parser.add_argument("--sync-checkpoint", action="store_true",
-                        help="block training while a checkpoint is written (default: async)")
     parser.add_argument("--agent-address", default="",
                         help="host:port of the node agent; empty = discard telemetry")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
-    parser.add_argument("--fp8", default=None, choices=("off", "tensorwise", "rowwise"),
+    parser.add_argument("--fp8", default=None,
+                        choices=typing.get_args(ModelArgs.__pydantic_fields__["fp8"].annotation),
                         help="FP8 compute (default: the preset's)")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-    parser.add_argument("--grad-accum-steps", type=int, default=defaults.grad_accum_steps)
-    parser.add_argument("--ep-size", type=int, default=defaults.ep_size)
-    parser.add_argument("--data-parallel", default=defaults.data_parallel, choices=("fsdp", "ddp"))
-    parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--dataset", default=defaults.dataset,
-                        help="'synthetic' or the path of a flat token file")
+    _add_recipe_flags(parser)
     parser.add_argument("--job-id", default="", help="job id stamped on events (default: random)")
-    parser.add_argument("--pg-timeout-s", type=float, default=60.0, help="process-group timeout, seconds")
+    parser.add_argument("--pg-timeout-s", type=float, default=WorkerSpec.pg_timeout_s,
+                        help="process-group timeout, seconds")
     parser.add_argument("--fr-buffer-entries", type=int, default=WorkerSpec.fr_buffer_entries,
                         help="native flight-recorder ring size (TORCH_FR_BUFFER_SIZE); 0 = off")
     parser.add_argument("--fr-poll-interval-s", type=float, default=WorkerSpec.fr_poll_interval_s,
@@ -271,16 +277,15 @@ def spec_from_torchrun(argv: list[str] | None = None) -> WorkerSpec:
     parser.add_argument("--report-interval-s", type=float, default=WorkerSpec.report_interval_s,
                         help="seconds between reports to the node agent")
     args = parser.parse_args(argv)
-    model = PRESETS[args.preset]
-    if args.fp8 is not None:
-        model = dataclasses.replace(model, fp8=args.fp8)
-    train = dataclasses.replace(
-        defaults, steps=args.steps, checkpoint_interval=args.checkpoint_interval,
-        async_checkpoint=not args.sync_checkpoint, batch_size=args.batch_size, seq_len=args.seq_len,
-        lr=args.lr, warmup_steps=args.warmup_steps, grad_accum_steps=args.grad_accum_steps,
-        ep_size=args.ep_size, data_parallel=args.data_parallel,
-        activation_checkpointing=args.activation_checkpointing, dataset=args.dataset,
-    )
+    try:
+        model = PRESETS[args.preset]
+        if args.fp8 is not None:
+            model = dataclasses.replace(model, fp8=args.fp8)
+        train = TrainArgs(**{name: getattr(args, name) for name in TrainArgs.__pydantic_fields__})
+    except pydantic.ValidationError as exc:  # a recipe field out of its bounds
+        problem = exc.errors()[0]
+        flag = "--" + "-".join(str(p) for p in problem["loc"]).replace("_", "-")
+        parser.error(f"{flag}: {problem['msg']}")
     # torchrun's contract is environment variables; this is the edge where they are read.
     env = os.environ
     return WorkerSpec(

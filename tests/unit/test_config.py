@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -365,8 +367,6 @@ def test_readme_documents_every_cluster_yaml_key() -> None:
 
 
 def test_readme_reference_is_generated_from_the_schema() -> None:
-    import subprocess
-    import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
@@ -501,3 +501,58 @@ def test_min_nodes_must_fit_the_job_and_its_expert_parallelism() -> None:
     with pytest.raises(ConfigError, match="every world size the job may shrink to"):
         parse_cluster_yaml("job: {nodes: 2, ranks_per_node: 1, ep_size: 2, min_nodes: 1}")
     assert parse_cluster_yaml("job: {nodes: 2, ranks_per_node: 2, ep_size: 2, min_nodes: 1}").job.min_nodes == 1
+
+
+# -- one owner per field ---------------------------------------------------------------------
+
+
+def test_the_job_section_embeds_the_workers_recipe_definitions() -> None:
+    from fleet.controlplane.config import JobConfig
+    from fleet.workers.spec import TrainArgs
+
+    owned = TrainArgs.__pydantic_fields__
+    job = JobConfig.model_fields
+    assert list(owned) == [k for k in job if k in owned]
+    for name, info in owned.items():
+        assert (job[name].default, job[name].description, job[name].metadata) == (
+            info.default, info.description, info.metadata), name
+    cfg = parse_cluster_yaml("job: {steps: 12, lr_schedule: constant, async_checkpoint: false}", SRC)
+    assert cfg.job.train_args() == TrainArgs(steps=12, lr_schedule="constant", async_checkpoint=False)
+
+
+def test_model_overrides_are_the_model_fields_made_optional() -> None:
+    from fleet.controlplane.config import MODEL_OVERRIDES, ModelConfig
+    from fleet.workers.spec import PRESETS, ModelArgs
+
+    owned = ModelArgs.__pydantic_fields__
+    for name in MODEL_OVERRIDES:
+        field = ModelConfig.model_fields[name]
+        assert field.default is None
+        assert field.description == f"Override: {owned[name].description}"
+    assert ModelConfig(preset="small", n_layers=None).args() == PRESETS["small"]
+    assert ModelConfig(preset="small", n_layers=2).args().n_layers == 2
+
+
+def test_agents_get_one_settings_object_defined_by_the_agent() -> None:
+    from fleet.agent.settings import AGENT_SECTION_FIELDS, LINK_FIELDS, AgentSettings
+    from fleet.controlplane.config import AgentConfig, ControllerConfig
+
+    assert tuple(AgentConfig.model_fields) == AGENT_SECTION_FIELDS
+    assert set(AgentSettings.model_fields) == set(AGENT_SECTION_FIELDS) | set(LINK_FIELDS)
+    for name in LINK_FIELDS:
+        assert ControllerConfig.model_fields[name].description == AgentSettings.model_fields[name].description
+    cfg = parse_cluster_yaml(
+        "state_dir: /tmp/fleet-state\nagent: {batch_max_events: 7}\n"
+        "controller: {heartbeat_interval_s: 0.5, max_message_bytes: 2097152}", SRC)
+    settings = cfg.agent_settings()
+    assert (settings.batch_max_events, settings.heartbeat_interval_s, settings.max_message_bytes,
+            settings.spill_dir) == (7, 0.5, 2 << 20, "/tmp/fleet-state/spill")
+    with pytest.raises(ValueError, match=r"batch_max_bytes \(1048576\) must be <= memory_max_bytes \(65536\)"):
+        AgentSettings(memory_max_bytes=65536)
+
+
+def test_config_imports_no_agent_runtime_module() -> None:
+    code = ("import sys, fleet.controlplane.config; "
+            "print(sorted(m for m in sys.modules if m.startswith('fleet.agent.') and m != 'fleet.agent.settings'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

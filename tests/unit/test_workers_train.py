@@ -143,3 +143,23 @@ def test_spec_from_torchrun_env(monkeypatch):
     assert (spec.rank, spec.world_size, spec.master_port, spec.train.steps, spec.agent_address) == (
         3, 4, 29411, 7, "")
     assert dataclasses.replace(spec, rank=0).checkpoint_dir == "/tmp/x"
+
+
+def test_torchrun_flags_are_derived_from_the_recipe_fields():
+    defaults = train.spec_from_torchrun(["--checkpoint-dir", "/tmp/x"])
+    assert defaults.train == TrainArgs()
+    spec = train.spec_from_torchrun([
+        "--checkpoint-dir", "/tmp/x", "--sync-checkpoint", "--activation-checkpointing", "--seed", "5",
+        "--lr-schedule", "constant", "--no-memory-snapshots", "--batch-size", "2", "--lr", "0.01",
+        "--data-parallel", "ddp", "--fp8", "rowwise"])
+    assert spec.train == TrainArgs(async_checkpoint=False, activation_checkpointing=True, seed=5,
+                                   lr_schedule="constant", memory_snapshots=False, batch_size=2, lr=0.01,
+                                   data_parallel="ddp")
+    assert spec.model.fp8 == "rowwise"
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--lr-schedule", "step"], ["--seq-len", "x"]])
+def test_torchrun_flags_are_validated_like_the_fields(argv, capsys):
+    with pytest.raises(SystemExit):
+        train.spec_from_torchrun(["--checkpoint-dir", "/tmp/x", *argv])
+    assert "error" in capsys.readouterr().err
