@@ -541,5 +541,5 @@ def test_client_puts_after_and_delay_in_the_fault_spec(monkeypatch):
     finally:
         client.close()
     slow, crash = (r.fault for r in sent)
-    assert (slow.kind, slow.after_s, slow.delay_s, slow.duration_s) == ("slow", 30.0, 0.5, 20.0)
-    assert (crash.kind, crash.at_step, crash.after_s, crash.delay_s) == ("crash", 5, 0.0, 0.0)
+    assert (slow.kind, slow.after_s, slow.delay_s, slow.duration_s) == (FaultKind.SLOW.wire, 30.0, 0.5, 20.0)
+    assert (crash.kind, crash.at_step, crash.after_s, crash.delay_s) == (FaultKind.CRASH.wire, 5, 0.0, 0.0)
