@@ -2,15 +2,16 @@
 
 ``AgentSettings`` holds everything a ``NodeAgent`` and its ``Uplink`` are tuned by
 (batching, buffering and spilling, heartbeats, the largest message the controller
-takes) and the two reporting intervals the agent's workers are given. It travels as
+takes). It travels as
 one frozen object from the controller (``ClusterConfig.agent_settings()``) through
 ``AgentSet.start``, the agent's Ray actor and ``NodeAgent`` to the ``Uplink``; none
 of them restates a default.
 
-cluster.yaml does not copy these fields: its ``agent:`` section is derived from
-``AGENT_SECTION_FIELDS`` of this model, and ``controller.heartbeat_interval_s`` /
-``controller.max_message_bytes`` from the two link fields (``controlplane/config.py``),
-so the keys, defaults, bounds and descriptions exist only here.
+cluster.yaml does not copy these fields: its ``agent:`` section embeds
+``AGENT_SECTION_FIELDS`` of this model (next to the workers' two reporting intervals,
+which ``WorkerSpec`` owns), and ``controller.heartbeat_interval_s`` /
+``controller.max_message_bytes`` the two link fields (``controlplane/config.py``), so
+the keys, defaults, bounds and descriptions exist only here.
 
 Invariant checked at construction: ``batch_max_bytes <= memory_max_bytes``.
 This module is not part of the agent's runtime: it imports neither grpc nor the uplink,
@@ -23,10 +24,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-#: Fields that are cluster.yaml's ``agent:`` section, in the reference's order.
+#: Fields that cluster.yaml's ``agent:`` section embeds, in the reference's order.
 AGENT_SECTION_FIELDS = (
     "batch_max_events", "batch_max_bytes", "batch_interval_s", "memory_max_bytes",
-    "spill_max_bytes", "spill_dir", "report_interval_s", "fr_poll_interval_s",
+    "spill_max_bytes", "spill_dir",
 )
 #: Fields that cluster.yaml keeps in its ``controller:`` section (the controller sets them
 #: for every agent it starts).
@@ -70,15 +71,6 @@ class AgentSettings(BaseModel):
     spill_dir: str = Field(
         "", description="Folder agents spill to, one subfolder per agent (empty: `<state_dir>/spill`). "
         "Spilled batches do not survive an agent restart; a restarted agent reports them as dropped.",
-    )
-    report_interval_s: float = Field(
-        0.5, gt=0, le=10,
-        description="Seconds between a worker's reports to its node agent (also how long a command "
-        "waits for its rank; status changes are sent at once).",
-    )
-    fr_poll_interval_s: float = Field(
-        0.5, gt=0, le=60,
-        description="Seconds between reads of a worker's native flight-recorder ring (events lag at most this).",
     )
     heartbeat_interval_s: float = Field(
         1.0, gt=0, le=600, description="Seconds between agent heartbeats."

@@ -30,7 +30,7 @@ from fleet.controlplane.errors import ConfigError
 from fleet.proto.contract import MESSAGE_HEADROOM_BYTES
 from fleet.proto.kinds import IncidentKind
 from fleet.proto.tls import TlsFiles
-from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs
+from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs, WorkerSpec, documented_fields
 
 #: The embedded default, used when ``fleet up`` is given no ``--cluster``.
 DEFAULT_CLUSTER_FILE = Path(__file__).resolve().parent.parent / "examples" / "local.yaml"
@@ -41,8 +41,11 @@ class _Section(BaseModel):
 
 
 def _owned_fields(owner: type) -> dict[str, FieldInfo]:
-    """The field definitions of the component that owns them (a pydantic model or dataclass)."""
-    return getattr(owner, "model_fields", None) or owner.__pydantic_fields__
+    """The field definitions of the component that owns them (a pydantic model, or a
+    dataclass of workers/spec.py)."""
+    if issubclass(owner, BaseModel):
+        return dict(owner.model_fields)
+    return documented_fields(owner)
 
 
 def _field(owner: type, name: str) -> Any:
@@ -179,12 +182,17 @@ class StoreConfig(_Section):
     )
 
 
+#: WorkerSpec fields cluster.yaml keeps in the ``agent:`` section (the worker -> agent channel).
+WORKER_REPORTING_FIELDS = ("report_interval_s", "fr_poll_interval_s")
+
 class AgentConfig(create_model(
-        "_AgentSection", __base__=_Section, **_embedded(AgentSettings, AGENT_SECTION_FIELDS))):
+        "_AgentSection", __base__=_Section, **_embedded(AgentSettings, AGENT_SECTION_FIELDS),
+        **_embedded(WorkerSpec, WORKER_REPORTING_FIELDS))):
     """Batching on the agent -> controller stream and the worker -> agent channel.
 
-    The fields are ``fleet.agent.settings.AgentSettings``'s (the agent owns them);
-    ``ClusterConfig.agent_settings()`` is the object agents are started with."""
+    The batching and buffering fields are ``fleet.agent.settings.AgentSettings``'s (the
+    agent owns them; ``ClusterConfig.agent_settings()`` is the object agents are started
+    with), the two reporting intervals ``fleet.workers.spec.WorkerSpec``'s."""
 
     @model_validator(mode="after")
     def _batch_fits_memory(self) -> AgentConfig:
@@ -242,15 +250,8 @@ class JobConfig(create_model("_JobRecipe", __base__=_JobPlacement, **_embedded(T
     checkpoint_dir: str = Field(
         ".fleet/checkpoints", description="Checkpoint root; each job writes to <dir>/<job-id>/."
     )
-    pg_timeout_s: float = Field(
-        60.0, gt=0, le=86400, description="torch.distributed process-group timeout, seconds."
-    )
-    flight_recorder_entries: int = Field(
-        256, ge=0, le=1_000_000,
-        description="Native flight-recorder ring size per rank (TORCH_FR_BUFFER_SIZE); 0 = off. Each read "
-        "costs ~5 us per entry; the ring is probed every 0.1 s and read early when half full, so 256 keeps "
-        "up with ~1,000 collectives/s per rank; entries overwritten unread are counted and logged.",
-    )
+    pg_timeout_s: float = _field(WorkerSpec, "pg_timeout_s")
+    flight_recorder_entries: int = _field(WorkerSpec, "fr_buffer_entries")
     max_restarts: int = Field(3, ge=0, le=1000, description="Attempts after the first before giving up.")
     restart_backoff_s: float = Field(
         1.0, ge=0, le=3600,
@@ -495,7 +496,7 @@ class ClusterConfig(_Section):
         folder resolved, and the controller's heartbeat interval and message limit."""
         c = self.controller
         return AgentSettings(**{
-            **self.agent.model_dump(),
+            **self.agent.model_dump(include=set(AGENT_SECTION_FIELDS)),
             "spill_dir": str(self.agent_spill_dir()),
             "heartbeat_interval_s": c.heartbeat_interval_s,
             "max_message_bytes": c.max_message_bytes,

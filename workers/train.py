@@ -37,6 +37,7 @@ from datetime import timedelta
 import pydantic
 import torch
 import torch.distributed as dist
+from pydantic.fields import FieldInfo
 
 from fleet.proto import events_pb2
 from fleet.workers import metrics, native_fr
@@ -48,7 +49,7 @@ from fleet.workers.peer_links import PeerLinks
 from fleet.workers.recorder import FlightRecorder
 from fleet.workers.rendezvous import rendezvous_store
 from fleet.workers.reporter import Reporter
-from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs, WorkerSpec
+from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs, WorkerSpec, documented_fields
 from fleet.workers.trainer import StepResult, Trainer, backend_for, pick_device
 
 log = logging.getLogger(__name__)
@@ -236,10 +237,10 @@ def _train(
     }
 
 
-def _add_recipe_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``TrainArgs`` field (``--batch-size`` for ``batch_size``), with the field's
-    default, choices and description: the recipe is defined once, in workers/spec.py."""
-    for name, info in TrainArgs.__pydantic_fields__.items():
+def _add_field_flags(parser: argparse.ArgumentParser, fields: dict[str, FieldInfo]) -> None:
+    """One flag per field (``--batch-size`` for ``batch_size``), with the field's default,
+    choices and description: the fields are defined once, in workers/spec.py."""
+    for name, info in fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = (info.description or "").replace("%", "%%")
         if info.annotation is bool:
@@ -248,9 +249,6 @@ def _add_recipe_flags(parser: argparse.ArgumentParser) -> None:
         choices = typing.get_args(info.annotation) if typing.get_origin(info.annotation) is typing.Literal else None
         parser.add_argument(flag, type=type(info.default), default=info.default, choices=choices,
                             help=f"{help_text} (default: %(default)s)")
-    # the spelling from before the flags were derived, kept for existing launch scripts
-    parser.add_argument("--sync-checkpoint", dest="async_checkpoint", action="store_false",
-                        help="the same as --no-async-checkpoint")
 
 
 def spec_from_torchrun(argv: list[str] | None = None) -> WorkerSpec:
@@ -266,22 +264,18 @@ def spec_from_torchrun(argv: list[str] | None = None) -> WorkerSpec:
     parser.add_argument("--fp8", default=None,
                         choices=typing.get_args(ModelArgs.__pydantic_fields__["fp8"].annotation),
                         help="FP8 compute (default: the preset's)")
-    _add_recipe_flags(parser)
+    _add_field_flags(parser, documented_fields(TrainArgs))
+    # the spelling from before the flags were derived, kept for existing launch scripts
+    parser.add_argument("--sync-checkpoint", dest="async_checkpoint", action="store_false",
+                        help="the same as --no-async-checkpoint")
     parser.add_argument("--job-id", default="", help="job id stamped on events (default: random)")
-    parser.add_argument("--pg-timeout-s", type=float, default=WorkerSpec.pg_timeout_s,
-                        help="process-group timeout, seconds")
-    parser.add_argument("--fr-buffer-entries", type=int, default=WorkerSpec.fr_buffer_entries,
-                        help="native flight-recorder ring size (TORCH_FR_BUFFER_SIZE); 0 = off")
-    parser.add_argument("--fr-poll-interval-s", type=float, default=WorkerSpec.fr_poll_interval_s,
-                        help="longest a recorded collective waits before it is shipped, seconds")
-    parser.add_argument("--report-interval-s", type=float, default=WorkerSpec.report_interval_s,
-                        help="seconds between reports to the node agent")
+    _add_field_flags(parser, documented_fields(WorkerSpec))
     args = parser.parse_args(argv)
     try:
         model = PRESETS[args.preset]
         if args.fp8 is not None:
             model = dataclasses.replace(model, fp8=args.fp8)
-        train = TrainArgs(**{name: getattr(args, name) for name in TrainArgs.__pydantic_fields__})
+        train = TrainArgs(**{name: getattr(args, name) for name in documented_fields(TrainArgs)})
     except pydantic.ValidationError as exc:  # a recipe field out of its bounds
         problem = exc.errors()[0]
         flag = "--" + "-".join(str(p) for p in problem["loc"]).replace("_", "-")

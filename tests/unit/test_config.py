@@ -535,9 +535,17 @@ def test_model_overrides_are_the_model_fields_made_optional() -> None:
 
 def test_agents_get_one_settings_object_defined_by_the_agent() -> None:
     from fleet.agent.settings import AGENT_SECTION_FIELDS, LINK_FIELDS, AgentSettings
-    from fleet.controlplane.config import AgentConfig, ControllerConfig
+    from fleet.controlplane.config import WORKER_REPORTING_FIELDS, AgentConfig, ControllerConfig, JobConfig
+    from fleet.workers.spec import WorkerSpec, documented_fields
 
-    assert tuple(AgentConfig.model_fields) == AGENT_SECTION_FIELDS
+    assert tuple(AgentConfig.model_fields) == AGENT_SECTION_FIELDS + WORKER_REPORTING_FIELDS
+    worker = documented_fields(WorkerSpec)
+    for section, key, name in [(AgentConfig, "report_interval_s", "report_interval_s"),
+                               (AgentConfig, "fr_poll_interval_s", "fr_poll_interval_s"),
+                               (JobConfig, "pg_timeout_s", "pg_timeout_s"),
+                               (JobConfig, "flight_recorder_entries", "fr_buffer_entries")]:
+        field = section.model_fields[key]
+        assert (field.default, field.description) == (getattr(WorkerSpec, name), worker[name].description), key
     assert set(AgentSettings.model_fields) == set(AGENT_SECTION_FIELDS) | set(LINK_FIELDS)
     for name in LINK_FIELDS:
         assert ControllerConfig.model_fields[name].description == AgentSettings.model_fields[name].description
