@@ -317,13 +317,14 @@ def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
                     out.restored.append((ev.job_id, ev.attempt, ev.restored_step))
             elif kind == "checkpoint" and event.checkpoint.invalid:
                 ev = event.checkpoint
-                out.checkpoints.pop((ev.job_id, ev.step), None)  # the later event wins
                 out.invalid_checkpoints[(ev.job_id, ev.step)] = {
                     "job_id": ev.job_id, "attempt": ev.attempt, "step": ev.step,
                     "reason": ev.reason or "failed manifest verification",
                     "at": ev.time_ns / 1e9 if ev.time_ns else time.time()}
             elif kind == "checkpoint":
                 ev = event.checkpoint
+                # a re-save after an invalidation in the same batch is valid again;
+                # invalidations are written after the saves, so the reverse order holds too
                 out.invalid_checkpoints.pop((ev.job_id, ev.step), None)
                 # Same (job, step) twice in one statement would make PostgreSQL refuse it.
                 out.checkpoints[(ev.job_id, ev.step)] = {

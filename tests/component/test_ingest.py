@@ -106,6 +106,28 @@ def test_column_blocks_and_single_events_store_the_same_rows(store: Store) -> No
     assert by_rank[0][0][3] == ((16, 2), ())
 
 
+def test_op_names_become_canonical_at_the_ingest_and_the_typed_view_names_every_column(store: Store) -> None:
+    from fleet.controlplane.store import CollectiveRow
+
+    # the watchdog's view of a prepared row is the table's columns, in order
+    assert CollectiveRow._fields == tuple("group" if c == "group_name" else c for c in COLLECTIVE_COLUMNS)
+    job_id, _ = _job(store)
+    names = ["allreduce", "gloo:_allgather_base", "_reduce_scatter_base", "reduce_scatter_tensor",
+             "alltoall_base", "nccl:send 0->1", "broadcast"]
+    evs = [_coll(job_id, 0, seq, op=op) for seq, op in enumerate(names, 1)]
+    batch = prepare([_block(evs[:4]), *(events_pb2.Event(collective=e) for e in evs[4:])])
+    canonical = ["all_reduce", "all_gather", "reduce_scatter", "reduce_scatter", "all_to_all", "send 0->1",
+                 "broadcast"]
+    view = list(batch.collective_rows())
+    assert [(r.job_id, r.rank, r.group, r.seq, r.op) for r in view] == [
+        (job_id, 0, "0", seq, op) for seq, op in enumerate(canonical, 1)]
+    assert (view[0].state, view[0].enter_ns, view[0].exit_ns, view[0].step) == ("completed", 1000, 1007, 0)
+    store.record_batch("a", 1, 1, [_block(evs)])
+    assert [c.op for c in store.collectives(job_id)] == canonical
+    (step,) = prepare(_steps(job_id, 2, 5, 1)).step_rows()
+    assert (step.job_id, step.attempt, step.rank, step.step, step.end_ns, step.loss) == (job_id, 1, 2, 5, 5, 1.0)
+
+
 def test_completion_wins_over_start_in_any_order_within_and_across_blocks(store: Store) -> None:
     job_id, _ = _job(store)
     store.record_batch("a", 1, 1, [_block([_coll(job_id, 0, 1, "started"), _coll(job_id, 0, 1),

@@ -197,6 +197,90 @@ def test_steps_status_checkpoints(store: Store, job: str) -> None:
     assert [k.valid for k in store.checkpoints(job)] == [False]
 
 
+def test_native_op_names_are_stored_canonical_and_diagnosed_as_one_vocabulary(store: Store, job: str) -> None:
+    """Ranks whose recorders named the same collective differently (native ``allreduce``,
+    the wrapper's ``all_reduce``) store one name: no per-read folding, no false mismatch."""
+    from fleet.controlplane.diagnosis import diagnose_attempt
+
+    native = {0: "allreduce", 1: "gloo:allreduce", 2: "all_reduce", 3: "all_reduce"}
+    gathers = {0: "_allgather_base", 1: "all_gather_into_tensor", 2: "allgather", 3: "all_gather"}
+    events = []
+    for rank in range(4):
+        store.record_rank(job, 1, rank, "n1", 100 + rank)
+        for seq, op in ((1, native[rank]), (2, gathers[rank]), (3, "nccl:send 0->1")):
+            events.append(coll(job, seq, "completed", rank=rank, op=op))
+    store.record_batch("a", 1, 1, events)
+    assert {r.op for r in store.collectives(job)} == {"all_reduce", "all_gather", "send 0->1"}
+    assert {dict(s.ops)["all_reduce"] for s in store.collective_summary(job)} == {1}
+    _, diagnosis = diagnose_attempt(store, job, 1)
+    assert diagnosis.verdict != "mismatch" and not diagnosis.culprit_ranks, diagnosis.summary
+
+
+def test_a_checkpoint_reported_invalid_is_invalid_everywhere(store: Store, job: str) -> None:
+    from fleet.controlplane.replay import replay_report
+    from fleet.controlplane.report import job_report
+
+    def ckpt(step: int, **kw: object) -> pb.Event:
+        return pb.Event(checkpoint=pb.CheckpointEvent(job_id=job, attempt=1, rank=0, step=step,
+                                                      path=f"/ckpt/{step}", manifest_sha256="ab" * 32,
+                                                      save_s=1.0, **kw))
+
+    store.record_batch("a", 1, 1, [ckpt(10), ckpt(20)])
+    store.record_batch("a", 1, 2, [ckpt(20, invalid=True, reason="__0_0.distcp does not match its sha256"),
+                                   ckpt(40, invalid=True, reason="never committed")])  # no row: ignored
+    assert [(c.step, c.valid) for c in store.checkpoints(job)] == [(10, True), (20, False)]
+    assert store.latest_valid_checkpoint(job).step == 10
+    (action,) = store.actions(job)
+    assert (action.kind, action.attempt) == ("ckpt_invalid", 1)
+    assert action.cause == "checkpoint of step 20 invalid: __0_0.distcp does not match its sha256"
+    assert [(c["step"], c["valid"]) for c in replay_report(store, job)["checkpoints"]] == [(10, True), (20, False)]
+    report = job_report(store.get_job(job), store.get_attempts(job), store.steps(job), store.incidents(job),
+                        store.actions(job), store.checkpoints(job), store.list_nodes(), time.time())
+    assert [(c["step"], c["valid"]) for c in report["checkpoints"]] == [(10, True), (20, False)]
+    assert report["invalid_checkpoints"] == [action.cause]
+    # a re-save of the step is valid again; a commit and an invalidation in one batch: the later wins
+    store.record_batch("a", 1, 3, [ckpt(20)])
+    store.record_batch("a", 1, 4, [ckpt(10), ckpt(10, invalid=True, reason="rot")])
+    assert [(c.step, c.valid) for c in store.checkpoints(job)] == [(10, False), (20, True)]
+    store.invalidate_checkpoint(job, 20, "corrupted by chaos")
+    assert store.actions(job)[-1].cause == "checkpoint of step 20 invalid: corrupted by chaos"
+    assert store.latest_valid_checkpoint(job) is None
+    with pytest.raises(NotFoundError):
+        store.invalidate_checkpoint(job, 99, "no such step")
+
+
+def test_ckpt_corrupt_on_disk_reaches_the_store_through_the_restore(store: Store, job: str, tmp_path: Path) -> None:
+    """The real path: a committed checkpoint, the chaos fault's corruption, the restore's
+    verification (rank 0's ``latest_valid``) and its report, the ingest: the store's flag,
+    which replay and report show, then says what the manifest says."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fleet.controlplane.replay import replay_report
+    from fleet.workers import checkpoint
+    from fleet.workers.train import _Emitter
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    sent: list[pb.Event] = []
+    emit = _Emitter(SimpleNamespace(job_id=job, attempt=1, rank=0), SimpleNamespace(emit=sent.append))
+    for step in (10, 20):
+        path, sha, save_s = checkpoint.save(tmp_path, step, model, opt)
+        emit.checkpoint(step, path, sha, save_s)
+    checkpoint.corrupt_newest(tmp_path)                    # what ckpt-corrupt does (step 20)
+    skipped: list[checkpoint.InvalidCheckpoint] = []
+    assert checkpoint.latest_valid(tmp_path, skipped=skipped)[0] == 10
+    for bad in skipped:
+        emit.checkpoint_invalid(bad.step, bad.path, bad.reason)
+    store.record_batch("a", 1, 1, sent)
+    assert [(c.step, c.valid) for c in store.checkpoints(job)] == [(10, True), (20, False)]
+    assert [(c["step"], c["valid"]) for c in replay_report(store, job)["checkpoints"]] == [(10, True), (20, False)]
+    assert "sha256" in store.actions(job)[-1].cause
+
+
 # -- nodes, ranks, incidents, actions ------------------------------------------------------
 
 def test_nodes_ranks_incidents_actions(store: Store, job: str) -> None:

@@ -208,3 +208,24 @@ def _assert_verdict_or_dump_error(tmp_path: Path, data: bytes) -> None:
         assert "fr_dump_1" in str(exc)
     else:
         assert d.verdict in {"ok", "hang", "mismatch", "straggler", "empty"}
+
+
+def test_native_names_become_canonical_as_dumps_are_read_and_either_completion_signal_counts(tmp_path):
+    """The dump reader is an edge: ``allreduce``/``Float`` become ``all_reduce``/``float32``
+    there, once; gloo's ``retired`` and NCCL's ``state == completed`` both end an entry."""
+    from fleet.controlplane.diagnosis import load_traces
+
+    nccl = entry(2, 2, name="allreduce", dtype="BFloat16", done=False)
+    nccl["profiling_name"], nccl["state"] = "nccl:allreduce", "completed"   # NCCL: state, not retired
+    open_op = entry(3, 3, name="_allgather_base", done=False)               # neither: still open
+    (tmp_path / "fr_0").write_bytes(pickle.dumps(doc([entry(1, 1, name="allreduce"), nccl, open_op])))
+    (tmp_path / "fr_1").write_bytes(pickle.dumps(doc([entry(1, 1), entry(2, 2, dtype="BFloat16", done=False),
+                                                      entry(3, 3, name="all_gather", done=False)])))
+    ts = load_traces(tmp_path)
+    for rank, done in ((0, [True, True, False]), (1, [True, False, False])):
+        ops = ts.ranks[rank].groups["0"]
+        sigs = [ts.table.sigs[s] for s in ops.sigs]
+        assert [(s.op, s.input_dtypes) for s in sigs] == [
+            ("all_reduce", ("float32",)), ("all_reduce", ("bfloat16",)), ("all_gather", ("float32",))]
+        assert list(ops.done) == done
+    assert ts.ranks[0].groups["0"].sigs == ts.ranks[1].groups["0"].sigs  # one vocabulary: equal ids

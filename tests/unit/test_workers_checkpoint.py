@@ -244,6 +244,13 @@ def test_latest_valid_skips_missing_and_corrupted_manifests(tmp_path):
     (tmp_path / "step_00000030").mkdir()                                       # empty leftover
     (tmp_path / "notes").mkdir()
     assert checkpoint.latest_valid(tmp_path) == (5, str(tmp_path / "step_00000005"))
+    skipped: list[checkpoint.InvalidCheckpoint] = []
+    assert checkpoint.latest_valid(tmp_path, skipped=skipped)[0] == 5
+    assert [(s.step, s.path) for s in skipped] == [(n, str(tmp_path / f"step_{n:08d}")) for n in (30, 20, 15, 10)]
+    reasons = [s.reason for s in skipped]
+    assert reasons[0] == reasons[1] == "MANIFEST.json is missing"
+    assert reasons[2] == f"{data_file.name} does not match its sha256 in MANIFEST.json"
+    assert reasons[3].startswith("unreadable MANIFEST.json")
     assert not checkpoint.verify(tmp_path / "step_00000015")
     assert checkpoint.verify(tmp_path / "step_00000015", checksums=False)
 

@@ -13,6 +13,11 @@ Where each is applied, once (STYLE rule 13):
   * dtype names: where a native entry is read (the worker's ``NativeFlightTail``, the
     dump reader); the wrappers already speak torch's names.
 
+Rows stored before the ingest made op names canonical keep the names they were stored
+with (no migration rewrites them, and nothing folds them on read): all ranks of an
+attempt used the same recorder, so their verdicts still compare like with like; only the
+names shown by ``fleet replay`` for such old attempts are the backend's.
+
 Canonical forms:
   * op: ``"<op>"`` or, for point-to-point ops, ``"<op> <meta>"`` where ``meta`` is the
     native ``"src->dst"`` (send) / ``"dst<-src"`` (recv) in group ranks. The backend
