@@ -5,6 +5,13 @@ reads raw dicts or ``os.environ``. Every field documents itself (the README's re
 is checked against this schema by a test). A bad file raises ``ConfigError`` naming the
 file, the dotted key and, where YAML tells us, the line.
 
+A field has one owner: the component that uses it defines it, and a section embeds that
+definition (default, bounds, description) instead of restating it. The job's recipe is
+``workers.spec.TrainArgs``'s, the model overrides are ``workers.spec.ModelArgs``'s made
+optional, the workers' timeouts and intervals ``workers.spec.WorkerSpec``'s, and the
+agent's batching, buffering and link settings ``agent.settings.AgentSettings``'s. The
+sections add placement, restarts, detection and the rules that span components.
+
 Ordering rules checked at construction:
 heartbeat_interval_s < heartbeat_timeout_s < job.pg_timeout_s;
 agent.batch_max_bytes <= agent.memory_max_bytes, and
