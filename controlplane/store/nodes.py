@@ -1,0 +1,181 @@
+"""The Store's nodes: registration, state and its history, health, and rank placement.
+
+Invariants:
+- A node registers once: its first ``node_transitions`` row (to healthy, actor
+  controller) is written by exactly one registrant; re-registering refreshes its
+  identity and keeps any quarantine.
+- Every node state change is checked with ``check_transition`` and stored as a
+  ``node_transitions`` row naming the actor (``NodeActor``) and the job involved, if
+  any; a move to the state the node is already in writes nothing.
+- Host health samples are append-only, read back by node in time order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from fleet.controlplane.errors import NotFoundError
+from fleet.controlplane.lifecycle import NodeActor, NodeState, check_transition
+from fleet.controlplane.store.base import StoreBase
+from fleet.controlplane.store.engine import upsert
+from fleet.controlplane.store.records import HealthRecord, NodeRecord, NodeTransitionRecord, RankRecord
+from fleet.controlplane.store.schema import HealthSample, Node, NodeTransition, Rank
+
+
+class NodeMethods(StoreBase):
+    """The Store's node, rank and host-health methods (a mixin of ``store.Store``)."""
+
+    # -- nodes and ranks ------------------------------------------------------------------
+
+    def upsert_node(self, name: str, ray_node_id: str, hostname: str, resources_json: str) -> None:
+        """Register a node or refresh its identity; keeps any quarantine. Sets last_seen.
+        A new node starts healthy, with a first ``node_transitions`` row (actor controller)."""
+        now = time.time()
+        identity = {"ray_node_id": ray_node_id, "hostname": hostname,
+                    "resources_json": resources_json, "last_seen": now}
+        # Insert-or-nothing first, so exactly one registrant (the one that gets its row back)
+        # writes the first history row; rowcount is not reliable here on every driver.
+        insert = upsert(self.dialect, Node.__table__, ["name"], None).values(
+            name=name, state=NodeState.HEALTHY.value, quarantine_reason="", quarantined_since=None,
+            **identity).returning(Node.__table__.c.name)
+        with self._tx(write=True) as s:
+            if s.execute(insert).first() is not None:
+                s.add(NodeTransition(node=name, from_state=None, to_state=NodeState.HEALTHY.value,
+                                     reason="registered", actor=NodeActor.CONTROLLER.value,
+                                     job_id=None, at=now))
+            else:
+                s.execute(update(Node).where(Node.name == name).values(**identity))
+
+    def touch_node(self, name: str) -> None:
+        """Set the node's last_seen to now; ``NotFoundError`` if unknown."""
+        with self._tx(write=True) as s:
+            res = s.execute(update(Node).where(Node.name == name).values(last_seen=time.time()))
+            if res.rowcount == 0:
+                raise NotFoundError(f"node {name!r} not found")
+
+    def _move_node(self, s: Session, name: str, to: NodeState, reason: str, actor: NodeActor,
+                   job_id: str | None, now: float) -> Node | None:
+        """Lock the node and move it to ``to``, storing the transition; None (nothing
+        written) when it is there already. ``NotFoundError`` if unknown."""
+        node = s.get(Node, name, with_for_update=True)
+        if node is None:
+            raise NotFoundError(f"node {name!r} not found")
+        old = NodeState(node.state)
+        if old is to:
+            return None
+        check_transition(old, to)
+        node.state = to.value
+        s.add(NodeTransition(node=name, from_state=old.value, to_state=to.value, reason=reason,
+                             actor=NodeActor(actor).value, job_id=job_id, at=now))
+        return node
+
+    def quarantine_node(self, name: str, reason: str, *, actor: NodeActor = NodeActor.OPERATOR,
+                        job_id: str | None = None) -> bool:
+        """Take the node out of placement with ``reason``, recording who (``actor``) and the
+        job whose incidents led to it. A node already quarantined keeps its first reason and
+        nothing is written: return whether it moved. ``NotFoundError`` if unknown."""
+        with self._tx(write=True) as s:
+            now = time.time()
+            node = self._move_node(s, name, NodeState.QUARANTINED, reason, actor, job_id, now)
+            if node is not None:
+                node.quarantine_reason, node.quarantined_since = reason, now
+            return node is not None
+
+    def release_node(self, name: str, *, actor: NodeActor = NodeActor.OPERATOR,
+                     reason: str = "released") -> bool:
+        """Return a quarantined node to healthy, recording who and why. A healthy node is
+        left as it is and nothing is written: return whether it moved. ``NotFoundError``
+        if unknown."""
+        with self._tx(write=True) as s:
+            node = self._move_node(s, name, NodeState.HEALTHY, reason, actor, None, time.time())
+            if node is not None:
+                node.quarantine_reason, node.quarantined_since = "", None
+            return node is not None
+
+    def node_history(self, name: str) -> list[NodeTransitionRecord]:
+        """Every state change of the node, oldest first (empty for a node never seen)."""
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(NodeTransition).where(NodeTransition.node == name)
+                             .order_by(NodeTransition.id)).all()
+            return [self._node_transition_record(r) for r in rows]
+
+    def last_node_transitions(self) -> dict[str, NodeTransitionRecord]:
+        """Each node's latest state change, by node name (in name order)."""
+        latest = select(func.max(NodeTransition.id)).group_by(NodeTransition.node).scalar_subquery()
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(NodeTransition).where(NodeTransition.id.in_(latest))
+                             .order_by(NodeTransition.node)).all()
+            return {r.node: self._node_transition_record(r) for r in rows}
+
+    @staticmethod
+    def _node_transition_record(r: NodeTransition) -> NodeTransitionRecord:
+        return NodeTransitionRecord(
+            node=r.node, from_state=None if r.from_state is None else NodeState(r.from_state),
+            to_state=NodeState(r.to_state), reason=r.reason, actor=r.actor, job_id=r.job_id, at=r.at)
+
+    def set_node_health(self, name: str, health: str, reason: str) -> None:
+        """Store the node's latest health-check verdict and why; ``NotFoundError`` if unknown."""
+        with self._tx(write=True) as s:
+            res = s.execute(update(Node).where(Node.name == name)
+                            .values(health=health, health_reason=reason))
+            if res.rowcount == 0:
+                raise NotFoundError(f"node {name!r} not found")
+
+    def list_nodes(self) -> list[NodeRecord]:
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(Node).order_by(Node.name)).all()
+            return [NodeRecord(name=n.name, ray_node_id=n.ray_node_id, hostname=n.hostname,
+                               resources_json=n.resources_json, state=NodeState(n.state),
+                               quarantine_reason=n.quarantine_reason,
+                               quarantined_since=n.quarantined_since, last_seen=n.last_seen,
+                               health=n.health, health_reason=n.health_reason)
+                    for n in rows]
+
+    def record_rank(self, job_id: str, attempt: int, rank: int, node: str, pid: int) -> None:
+        """Record (or correct) where a rank of an attempt runs."""
+        stmt = upsert(self.dialect, Rank.__table__, ["job_id", "attempt", "rank"],
+                      {"node": node, "pid": pid})
+        try:
+            with self._tx(write=True) as s:
+                s.execute(stmt, [{"job_id": job_id, "attempt": attempt, "rank": rank,
+                                  "node": node, "pid": pid}])
+        except IntegrityError as e:
+            raise NotFoundError(f"job {job_id!r} not found") from e
+
+    def ranks(self, job_id: str, attempt: int) -> list[RankRecord]:
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(Rank).where(Rank.job_id == job_id, Rank.attempt == attempt)
+                             .order_by(Rank.rank)).all()
+            return [RankRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank, node=r.node,
+                               pid=r.pid) for r in rows]
+
+    # -- host health ----------------------------------------------------------------------
+
+    def record_health(self, node: str, time_ns: int, cpu_percent: float, load1: float,
+                      mem_used_bytes: int, mem_total_bytes: int, workers_alive: int) -> None:
+        self.record_health_samples([HealthRecord(node, time_ns, cpu_percent, load1, mem_used_bytes,
+                                                 mem_total_bytes, workers_alive)])
+
+    def record_health_samples(self, samples: Sequence[HealthRecord]) -> None:
+        """Store host health samples (one transaction for all)."""
+        if not samples:
+            return
+        with self._tx(write=True) as s:
+            s.execute(HealthSample.__table__.insert(), [dataclasses.asdict(h) for h in samples])
+
+    def health_samples(self, node: str, since_ns: int = 0) -> list[HealthRecord]:
+        """The node's health samples with ``time_ns >= since_ns``, oldest first."""
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(HealthSample).where(
+                HealthSample.node == node, HealthSample.time_ns >= since_ns)
+                .order_by(HealthSample.time_ns, HealthSample.id)).all()
+            return [HealthRecord(node=r.node, time_ns=r.time_ns, cpu_percent=r.cpu_percent,
+                                 load1=r.load1, mem_used_bytes=r.mem_used_bytes,
+                                 mem_total_bytes=r.mem_total_bytes,
+                                 workers_alive=r.workers_alive) for r in rows]

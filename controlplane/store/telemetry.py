@@ -1,0 +1,323 @@
+"""The Store's telemetry: agent batches in, and steps, collectives, process groups,
+worker status, SDC checks and ingest drops out.
+
+Invariants:
+- ``record_batch`` is idempotent on (agent_id, epoch, seq): the batch row and its
+  events commit together or not at all; ``record_batches`` group-commits many.
+- Telemetry tables have no foreign key to jobs (ingest must not block on one), so
+  direct writes such as ``record_sdc_check`` check the job first.
+- ``recent_collectives`` reads by index only, however many collectives are stored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import case, func, select
+from sqlalchemy.exc import DataError, IntegrityError
+
+from fleet.controlplane.store import ingest
+from fleet.controlplane.store.base import StoreBase
+from fleet.controlplane.store.engine import upsert
+from fleet.controlplane.store.records import (
+    CollectiveRecord,
+    CollectiveSummary,
+    IngestDropRecord,
+    ProcessGroupRecord,
+    SdcCheckRecord,
+    StepRecord,
+    WorkerStatusRecord,
+)
+from fleet.controlplane.store.schema import (
+    Collective,
+    IngestBatch,
+    IngestDrop,
+    ProcessGroupRow,
+    SdcCheck,
+    Step,
+    WorkerStatusRow,
+)
+from fleet.proto import events_pb2
+
+SDC_KINDS = ingest.SDC_KINDS
+DROP_SOURCES = frozenset({"agent", "controller"})
+
+
+def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(s) for s in json.loads(text))
+
+
+class TelemetryMethods(StoreBase):
+    """The Store's ingest and telemetry-query methods (a mixin of ``store.Store``)."""
+
+    # -- ingest ---------------------------------------------------------------------------
+
+    def record_batch(self, agent_id: str, epoch: int, seq: int,
+                     events: Sequence[events_pb2.Event]) -> bool:
+        """Store one agent batch atomically; False (and nothing written) if already stored.
+
+        ``ingest.InvalidBatch`` (nothing written) when the events cannot be stored."""
+        return self.record_batches([(agent_id, epoch, seq, ingest.prepare(events))])[0]
+
+    def record_batches(self, batches: Sequence[tuple[str, int, int, ingest.PreparedBatch]]
+                       ) -> list[bool]:
+        """Store prepared batches ``(agent_id, epoch, seq, rows)`` in one transaction (a
+        group commit); per batch, True if stored now, False if it already was. All or
+        nothing: on an error none of them is stored."""
+        # RETURNING tells a fresh key from one already stored (rowcount is not reliable).
+        marker = upsert(self.dialect, IngestBatch.__table__, ["agent_id", "epoch", "seq"],
+                        None).returning(IngestBatch.__table__.c.seq)
+        fresh: list[bool] = []
+        try:
+            with self._tx(write=True) as s:
+                now = time.time()
+                for agent_id, epoch, seq, rows in batches:
+                    res = s.connection().execute(marker, {
+                        "agent_id": agent_id, "epoch": epoch, "seq": seq,
+                        "committed_at": now, "n_events": rows.events})
+                    fresh.append(res.first() is not None)
+                ingest.write(s, [rows for (*_, rows), new in zip(batches, fresh) if new])
+        except (IntegrityError, DataError) as e:
+            raise ingest.InvalidBatch(f"the store refused it: {e.orig}") from e
+        return fresh
+
+    def committed_seq(self, agent_id: str, epoch: int) -> int:
+        """Highest committed batch seq of (agent, epoch); 0 if none."""
+        with self._tx(write=False) as s:
+            return s.scalar(select(func.coalesce(func.max(IngestBatch.seq), 0)).where(
+                IngestBatch.agent_id == agent_id, IngestBatch.epoch == epoch))
+
+    # -- telemetry queries ----------------------------------------------------------------
+
+    def steps(self, job_id: str, attempt: int | None = None,
+              rank: int | None = None) -> list[StepRecord]:
+        """Step metrics ordered by attempt, step, rank."""
+        stmt = select(Step).where(Step.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(Step.attempt == attempt)
+        if rank is not None:
+            stmt = stmt.where(Step.rank == rank)
+        with self._tx(write=False) as s:
+            rows = s.scalars(stmt.order_by(Step.attempt, Step.step, Step.rank)).all()
+            return [StepRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank, step=r.step,
+                               loss=r.loss, step_time_s=r.step_time_s,
+                               tokens_per_s=r.tokens_per_s, end_ns=r.end_ns,
+                               grad_norm=r.grad_norm or 0.0, lr=r.lr or 0.0, mfu=r.mfu or 0.0,
+                               aux_loss=r.aux_loss or 0.0, imbalanced=bool(r.imbalanced),
+                               expert_load=tuple(json.loads(r.expert_load or "[]")))
+                    for r in rows]
+
+    def last_step(self, job_id: str, attempt: int | None = None) -> int:
+        """Highest step recorded (in ``attempt``, or any); 0 if none."""
+        stmt = select(func.max(Step.step)).where(Step.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(Step.attempt == attempt)
+        with self._tx(write=False) as s:
+            return s.scalar(stmt) or 0
+
+    def step_span(self, job_id: str, attempt: int) -> tuple[int, int, int] | None:
+        """``(first step's end_ns, last step, last step's end_ns)`` of ``attempt`` (over all
+        ranks), or None before its first step."""
+        stmt = (select(func.min(Step.end_ns), func.max(Step.step), func.max(Step.end_ns))
+                .where(Step.job_id == job_id, Step.attempt == attempt))
+        with self._tx(write=False) as s:
+            first, last, last_end = s.execute(stmt).one()
+        return None if first is None else (int(first), int(last), int(last_end))
+
+    def collectives(self, job_id: str, attempt: int | None = None, rank: int | None = None,
+                    group: str | None = None) -> list[CollectiveRecord]:
+        """Collectives ordered by attempt, rank, group, seq."""
+        c = Collective.__table__.c
+        stmt = select(Collective.__table__).where(c.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(c.attempt == attempt)
+        if rank is not None:
+            stmt = stmt.where(c.rank == rank)
+        if group is not None:
+            stmt = stmt.where(c.group_name == group)
+        stmt = stmt.order_by(c.attempt, c.rank, c.group_name, c.seq)
+        with self._tx(write=False) as s:
+            return [CollectiveRecord(
+                job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
+                group_size=r.group_size, seq=r.seq, op=r.op,
+                input_sizes=_sizes(r.input_sizes), input_dtypes=tuple(json.loads(r.input_dtypes)),
+                output_sizes=_sizes(r.output_sizes),
+                output_dtypes=tuple(json.loads(r.output_dtypes)),
+                enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
+                exit_estimated=bool(r.exit_estimated),
+            ) for r in s.execute(stmt)]
+
+    def process_groups(self, job_id: str, attempt: int | None = None) -> list[ProcessGroupRecord]:
+        """Process groups as the ranks declared them, ordered by attempt, group, rank."""
+        stmt = select(ProcessGroupRow).where(ProcessGroupRow.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(ProcessGroupRow.attempt == attempt)
+        stmt = stmt.order_by(ProcessGroupRow.attempt, ProcessGroupRow.group_name, ProcessGroupRow.rank)
+        with self._tx(write=False) as s:
+            return [ProcessGroupRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
+                                       desc=r.desc, ranks=tuple(json.loads(r.ranks)))
+                    for r in s.scalars(stmt)]
+
+    def collective_summary(self, job_id: str,
+                           attempt: int | None = None) -> list[CollectiveSummary]:
+        """One aggregate per (attempt, rank, group), computed in SQL."""
+        c = Collective.__table__.c
+        done = c.state == "completed"
+        keys = (c.attempt, c.rank, c.group_name)
+        where: list[Any] = [c.job_id == job_id]
+        if attempt is not None:
+            where.append(c.attempt == attempt)
+        agg = (select(*keys, func.count(), func.min(c.seq), func.max(c.seq),
+                      func.sum(case((done, 1), else_=0)),
+                      func.max(case((done, c.seq))),
+                      func.avg(case((done & c.exit_ns.is_not(None), c.exit_ns - c.enter_ns))))
+               .where(*where).group_by(*keys).order_by(*keys))
+        per_op = select(*keys, c.op, func.count()).where(*where).group_by(*keys, c.op)
+        with self._tx(write=False) as s:
+            ops: dict[tuple, dict[str, int]] = {}
+            for a, r, g, op, n in s.execute(per_op):
+                ops.setdefault((a, r, g), {})[op] = n
+            out = []
+            for a, r, g, n, first, last, completed, last_done, mean_ns in s.execute(agg):
+                out.append(CollectiveSummary(
+                    attempt=a, rank=r, group=g, count=n, first_seq=first, last_seq=last,
+                    consecutive=n == last - first + 1, completed=int(completed or 0),
+                    last_completed_seq=last_done, ops=ops.get((a, r, g), {}),
+                    mean_duration_ms=None if mean_ns is None else float(mean_ns) / 1e6,
+                ))
+            return out
+
+    def worker_status(self, job_id: str, attempt: int | None = None) -> list[WorkerStatusRecord]:
+        """Worker status changes ordered by attempt, time, rank."""
+        stmt = select(WorkerStatusRow).where(WorkerStatusRow.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(WorkerStatusRow.attempt == attempt)
+        stmt = stmt.order_by(WorkerStatusRow.attempt, WorkerStatusRow.time_ns,
+                             WorkerStatusRow.rank, WorkerStatusRow.id)
+        with self._tx(write=False) as s:
+            return [WorkerStatusRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank,
+                                       state=r.state, time_ns=r.time_ns, pid=r.pid,
+                                       hostname=r.hostname, restored_step=r.restored_step,
+                                       detail=r.detail, phase_s=r.phase_s)
+                    for r in s.scalars(stmt)]
+
+    # -- SDC checks and ingest drops ------------------------------------------------------
+
+    def record_sdc_check(self, job_id: str, attempt: int, step: int, kind: str, value: str,
+                         expected: str, ok: bool, detail: str = "", rank: int | None = None,
+                         node: str | None = None, time_ns: int | None = None) -> int:
+        """Store one SDC check (``rank`` None for a node-level check); return its id.
+
+        ``time_ns`` defaults to now."""
+        if kind not in SDC_KINDS:
+            raise ValueError(f"SDC check kind {kind!r} not in {sorted(SDC_KINDS)}")
+        with self._tx(write=True) as s:
+            self._job(s, job_id)  # sdc_checks, like all telemetry, has no foreign key
+            row = SdcCheck(job_id=job_id, attempt=attempt, rank=rank, node=node, step=step,
+                           kind=kind, value=value, expected=expected, ok=ok, detail=detail,
+                           time_ns=time.time_ns() if time_ns is None else time_ns)
+            s.add(row)
+            s.flush()
+            return row.id
+
+    def sdc_checks(self, job_id: str, attempt: int | None = None) -> list[SdcCheckRecord]:
+        """The job's SDC checks ordered by attempt, step, then as recorded."""
+        stmt = select(SdcCheck).where(SdcCheck.job_id == job_id)
+        if attempt is not None:
+            stmt = stmt.where(SdcCheck.attempt == attempt)
+        stmt = stmt.order_by(SdcCheck.attempt, SdcCheck.step, SdcCheck.id)
+        with self._tx(write=False) as s:
+            return [SdcCheckRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, rank=r.rank,
+                                   node=r.node, step=r.step, kind=r.kind, value=r.value,
+                                   expected=r.expected, ok=bool(r.ok), detail=r.detail,
+                                   time_ns=r.time_ns)
+                    for r in s.scalars(stmt)]
+
+    def record_drop(self, agent_id: str, node: str, epoch: int, first_seq: int, last_seq: int,
+                    events: int, reason: str, source: str) -> int:
+        """Record events lost before the store; return the row's id.
+
+        ``source``: "agent" (the agent lost them, e.g. its spill disk was full) or
+        "controller" (the controller refused a malformed batch). A report of batches
+        already recorded (an agent resends a DropReport whose stream broke) returns the
+        existing row's id."""
+        if source not in DROP_SOURCES:
+            raise ValueError(f"drop source {source!r} not in {sorted(DROP_SOURCES)}")
+        with self._tx(write=True) as s:
+            if first_seq > 0:
+                known = s.scalar(select(IngestDrop.id).where(
+                    IngestDrop.agent_id == agent_id, IngestDrop.epoch == epoch,
+                    IngestDrop.first_seq == first_seq, IngestDrop.last_seq == last_seq,
+                    IngestDrop.source == source))
+                if known is not None:
+                    return known
+            row = IngestDrop(agent_id=agent_id, node=node, epoch=epoch, first_seq=first_seq,
+                             last_seq=last_seq, events=events, reason=reason, source=source,
+                             at=time.time())
+            s.add(row)
+            s.flush()
+            return row.id
+
+    def ingest_drops(self, node: str | None = None) -> list[IngestDropRecord]:
+        """Recorded drops (of ``node``, or all), oldest first."""
+        stmt = select(IngestDrop)
+        if node is not None:
+            stmt = stmt.where(IngestDrop.node == node)
+        with self._tx(write=False) as s:
+            return [IngestDropRecord(id=r.id, agent_id=r.agent_id, node=r.node, epoch=r.epoch,
+                                     first_seq=r.first_seq, last_seq=r.last_seq,
+                                     events=r.events, reason=r.reason, source=r.source,
+                                     at=r.at)
+                    for r in s.scalars(stmt.order_by(IngestDrop.at, IngestDrop.id))]
+
+    # -- live diagnosis -------------------------------------------------------------------
+
+    #: Most process groups ``recent_collectives`` reads of one attempt.
+    RECENT_GROUPS_MAX = 4096
+
+    def recent_collectives(self, job_id: str, attempt: int, per_group: int) -> list[CollectiveRecord]:
+        """The newest collectives of an attempt, for a live diagnosis: in every group,
+        those within ``per_group`` sequence numbers of the group's highest, plus the last
+        one of each declared member that is further behind. Ordered by rank, group, seq.
+
+        Index lookups only: a few per group and per lagging member, and ``per_group``
+        rows per group and member, however many collectives the attempt has stored."""
+        t = Collective.__table__
+        c = t.c
+        base = (c.job_id == job_id, c.attempt == attempt)
+        with self._tx(write=False) as s:
+            groups: list[str] = []
+            while len(groups) < self.RECENT_GROUPS_MAX:  # a skip scan over the group index
+                stmt = select(func.min(c.group_name)).where(*base)
+                name = s.scalar(stmt.where(c.group_name > groups[-1]) if groups else stmt)
+                if name is None:
+                    break
+                groups.append(name)
+            members: dict[str, set[int]] = {}
+            for g in s.scalars(select(ProcessGroupRow).where(ProcessGroupRow.job_id == job_id,
+                                                             ProcessGroupRow.attempt == attempt)):
+                members.setdefault(g.group_name, set()).update(json.loads(g.ranks))
+            rows = []
+            for g in groups:
+                top = s.scalar(select(func.max(c.seq)).where(*base, c.group_name == g))
+                window = s.execute(select(t).where(*base, c.group_name == g,
+                                                   c.seq > top - per_group)).all()
+                rows += window
+                behind = members.get(g, set()) - {r.rank for r in window}
+                for rank in sorted(behind):
+                    last = s.execute(select(t).where(*base, c.rank == rank, c.group_name == g)
+                                     .order_by(c.seq.desc()).limit(1)).first()
+                    if last is not None:
+                        rows.append(last)
+        rows.sort(key=lambda r: (r.rank, r.group_name, r.seq))
+        return [CollectiveRecord(
+            job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
+            group_size=r.group_size, seq=r.seq, op=r.op,
+            input_sizes=_sizes(r.input_sizes), input_dtypes=tuple(json.loads(r.input_dtypes)),
+            output_sizes=_sizes(r.output_sizes), output_dtypes=tuple(json.loads(r.output_dtypes)),
+            enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
+            exit_estimated=bool(r.exit_estimated),
+        ) for r in rows]
