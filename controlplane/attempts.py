@@ -24,6 +24,7 @@ from pathlib import Path
 
 from fleet.controlplane import chaos, launch
 from fleet.controlplane.agent_server import AgentRegistry
+from fleet.controlplane.agent_supervisor import AgentSupervisor
 from fleet.controlplane.chaos_fire import ChaosFirer
 from fleet.controlplane.config import ClusterConfig
 from fleet.controlplane.detectors import Incident, RestartDecision, attribute_failures, attribute_with_trace, \
@@ -37,7 +38,6 @@ from fleet.controlplane.policy import decide_quarantine
 from fleet.controlplane.recovery import PendingRecovery, finish_recovery, note_processes
 from fleet.controlplane.runtime import Agents, NodeInfo, Pool, Runtime, Workers
 from fleet.controlplane.store import NODE_QUARANTINED, Store
-from fleet.controlplane.supervision import AgentSupervisor
 from fleet.controlplane.watchdog import Watchdog
 from fleet.proto.kinds import IncidentKind
 

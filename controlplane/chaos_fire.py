@@ -57,7 +57,7 @@ class Breaker(Protocol):
 
 
 class DownTimes(Protocol):
-    """Keeps the end of a fault's duration (``supervision.AgentSupervisor``)."""
+    """Keeps the end of a fault's duration (``agent_supervisor.AgentSupervisor``)."""
 
     def agent_down_until(self, node: str, until: float) -> None: ...
 

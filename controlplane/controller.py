@@ -8,7 +8,7 @@ store. Teardown (chaos, watchdog, workers, agents, Ray, server) runs on every ex
 path, KeyboardInterrupt included.
 
 What it is made of: ``job_control`` (the live state and the ``JobControl`` behind
-ControlService), ``supervision`` (agent loss and restarts), ``chaos_fire`` (carrying
+ControlService), ``agent_supervisor`` (agent loss and restarts), ``chaos_fire`` (carrying
 fault orders out), ``attempts`` (the attempt loop) and ``runtime`` (the Ray-free
 Protocols of the cluster, agents and workers; Ray's by default, imported lazily).
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from fleet.controlplane import auth
 from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
+from fleet.controlplane.agent_supervisor import AgentSupervisor
 from fleet.controlplane.attempts import AttemptRunner
 from fleet.controlplane.config import ClusterConfig
 from fleet.controlplane.control_server import ControlServicer
@@ -36,7 +37,7 @@ from fleet.controlplane.lifecycle import AttemptState, JobState
 from fleet.controlplane.recovery import note_processes, processes_file, take_over
 from fleet.controlplane.runtime import Agents, Cluster, NodeInfo, Runtime, ray_runtime
 from fleet.controlplane.store import Store
-from fleet.controlplane.supervision import AgentSupervisor, SupervisionConfig
+from fleet.controlplane.supervision import SupervisionConfig
 from fleet.controlplane.watchdog import Watchdog
 
 log = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ DIAGNOSIS = "fleet.controlplane.diagnosis"
 DECISION_LOGIC = ("fleet.controlplane.detectors", "fleet.controlplane.policy",
                   "fleet.controlplane.supervision", "fleet.controlplane.placement")
 DECISION_LOGIC_REQUIRED = ("fleet.controlplane.detectors", "fleet.controlplane.policy",
-                           "fleet.controlplane.placement")
+                           "fleet.controlplane.supervision", "fleet.controlplane.placement")
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ SYNTHETIC = {
     "cp/util.py": "from ray import get\n",
     "cp/policy.py": "import math\n",
     "cp/placement.py": "from fleet.proto import kinds\n",
+    "cp/supervision.py": "import enum\n",
     "cp/cli.py": "def run():\n    import sqlalchemy.orm\n",
     "cp/a.py": "from fleet.controlplane import b\n",
     "cp/b.py": "import fleet.controlplane.a\n",

@@ -131,7 +131,7 @@ def test_the_supervisor_records_the_loss_and_restarts_when_due(tmp_path) -> None
 
     from fleet.controlplane.agent_server import AgentRegistry, AgentSession
     from fleet.controlplane.store import Store
-    from fleet.controlplane.supervision import AgentSupervisor
+    from fleet.controlplane.agent_supervisor import AgentSupervisor
 
     now = time.monotonic()
     registry = AgentRegistry()
@@ -161,7 +161,7 @@ def test_the_supervisor_restarts_a_dead_agent_at_once(tmp_path) -> None:  # noqa
 
     from fleet.controlplane.agent_server import AgentRegistry, AgentSession
     from fleet.controlplane.store import Store
-    from fleet.controlplane.supervision import AgentSupervisor
+    from fleet.controlplane.agent_supervisor import AgentSupervisor
 
     registry = AgentRegistry()
     registry.attach(AgentSession("agent-node-1", "node-1", 1, "127.0.0.1:1", last_heard=time.monotonic() - 2.0))
@@ -174,3 +174,18 @@ def test_the_supervisor_restarts_a_dead_agent_at_once(tmp_path) -> None:  # noqa
         assert agents.restarted == ["node-1"] and not sup.is_lost("node-1")
         assert [(a.kind, a.attempt, a.cause) for a in store.actions(job)] == \
             [("restart_agent", 2, "agent on node-1 restarted")]
+
+
+def test_the_decision_module_imports_no_store_threads_or_io() -> None:
+    """supervision.py is the pure decision: whatever gathers facts or acts on them lives
+    in agent_supervisor.py."""
+    import ast
+    import inspect
+
+    from fleet.controlplane import supervision
+
+    tree = ast.parse(inspect.getsource(supervision))
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names} | \
+        {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported <= {"__future__", "enum", "dataclasses"}, imported
+    assert not hasattr(supervision, "AgentSupervisor")
