@@ -149,7 +149,7 @@ def check_order(order: FaultOrder, names: Mapping[str, str] = FIELDS) -> str | N
         return f"{n['at_step']} / {n['after_s']}: give one of them, not both"
     if order.duration_s > 0 and kind not in DURATION_KINDS:
         return f"{n['duration_s']}: {kind} has no duration (only {', '.join(sorted(DURATION_KINDS))})"
-    if order.delay_s > 0 and kind != "slow":
+    if order.delay_s > 0 and kind != FaultKind.SLOW:
         return f"{n['delay_s']}: only slow has a per-step delay"
     return None
 

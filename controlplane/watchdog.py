@@ -54,6 +54,7 @@ from fleet.controlplane.diagnosis import Diagnosis, DiagnosisConfig, diagnose, r
 from fleet.controlplane.store import CollectiveRow, Store
 from fleet.controlplane.store.ingest import PreparedBatch
 from fleet.proto.flight_record import P2P_SUFFIX
+from fleet.proto.kinds import IncidentKind
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class Watchdog:
             if step > w.loss_step:
                 w.loss_step = step
                 if cfg.loss_spike_factor > 0:
-                    found += self._once(w, ("loss_spike",), detectors.loss_spike_incident(
+                    found += self._once(w, (IncidentKind.LOSS_SPIKE,), detectors.loss_spike_incident(
                         step, s.loss, w.losses, cfg.loss_spike_factor, cfg.loss_window))
                 if math.isfinite(s.loss):
                     w.losses.append(s.loss)
@@ -315,7 +316,7 @@ class Watchdog:
             w.laggards.append(None if laggard is None else (step, *laggard))
             incident = detectors.detect_straggler(w.laggards, cfg.straggler_steps, w.nodes)
             if incident is not None:
-                found += self._once(w, ("straggler", incident.rank), incident)
+                found += self._once(w, (IncidentKind.STRAGGLER, incident.rank), incident)
         excess = len(w.arrivals) - (2 * cfg.straggler_steps + 16)  # a rank that sends no collectives
         for step in sorted(w.arrivals)[:max(excess, 0)]:
             del w.arrivals[step]
@@ -336,10 +337,10 @@ class Watchdog:
         silence = {n: now - self._heard.get(n, w.started) for n in set(w.nodes)}
         lost = detectors.agents_lost(silence, self._agent_timeout_s)
         for node in silence.keys() - set(lost):
-            w.fired.discard(("agent_loss", node))  # heard again: re-armed
+            w.fired.discard((IncidentKind.AGENT_LOSS, node))  # heard again: re-armed
         found: list[Incident] = []
         for node in lost:
-            found += self._once(w, ("agent_loss", node), detectors.agent_loss_incident(
+            found += self._once(w, (IncidentKind.AGENT_LOSS, node), detectors.agent_loss_incident(
                 node, silence[node], self._agent_timeout_s, w.nodes))
         return found
 
@@ -353,7 +354,7 @@ class Watchdog:
         """``(kind, seconds, threshold_s, horizon_ns, progress)`` when a hang is suspected:
         kind "startup" (no step yet) or "stall"; None otherwise."""
         cfg = self._cfg
-        if w.failed or ("hang",) in w.fired:
+        if w.failed or (IncidentKind.HANG,) in w.fired:
             return None
         lag_ns = int(self._lag_s(w) * 1e9)
         horizon_ns = now_ns - lag_ns
@@ -400,7 +401,7 @@ class Watchdog:
             else:
                 incident = detectors.decide_hang(seconds, threshold, cfg.unconfirmed_hang_s, verdict, culprits,
                                                  summary, progress, w.nodes)
-            return self._once(w, ("hang",), incident)
+            return self._once(w, (IncidentKind.HANG,), incident)
 
     def _diagnose(self, attempt: int, settle_s: float, horizon_ns: int) -> Diagnosis | None:
         """The flight recorder's verdict over the newest collectives, as of ``horizon_ns``,
