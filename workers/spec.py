@@ -9,7 +9,9 @@ defined here once, with its type, default, bounds and description. cluster.yaml'
 validates it (bounds, choices, the model's shape rules) and raises a ``ValueError``
 (pydantic's ``ValidationError``) naming the problem; ``dataclasses.replace`` works and
 re-validates. ``WorkerSpec`` is a plain frozen dataclass of values the launcher fills
-in. All of them hold only plain values so they pickle across Ray.
+in; its timeouts and intervals carry their definitions in field metadata
+(``documented_fields``), which cluster.yaml and the flags embed the same way. All of
+them hold only plain values so they pickle across Ray.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ class TrainArgs:
     )
 
 
-def _documented(default: float, description: str, **bounds: float) -> Any:
+def _documented(default: int | float, description: str, **bounds: float) -> Any:
     """A plain field with a default whose definition (description, bounds) travels in its
     metadata under ``DEFINITION``, for cluster.yaml and the torchrun flags to embed."""
     definition = FieldInfo.from_annotated_attribute(type(default), Field(default, description=description, **bounds))
