@@ -82,7 +82,7 @@ class AttemptRunner:
         self._pool: Pool | None = None      # processes across attempts
         self._fruitless = 0                 # failed attempts in a row without a step
         self._current_step = 0
-        self.firer = ChaosFirer(job, registry, self, supervisor, checkpoint_dir)
+        self.firer = ChaosFirer(job, registry, self, supervisor, store, checkpoint_dir)
         self.scheduler = chaos.Scheduler(self.firer.fire, lambda: self._current_step)
 
     # -- chaos: node-down -------------------------------------------------------------

@@ -3,10 +3,12 @@
 ``ChaosFirer.fire`` is what ``chaos.Scheduler`` calls when an order is due: rank and
 agent kinds become a ``Command`` sent to the node's agent; node-down takes the node
 away (its agent and its ranks die at once); ckpt-corrupt is sent to rank 0 (given a
-step) or done here; controller-crash kills this process. A step-timed order handed to
-workers is *armed* in them: when the attempt fails before that step, ``rearm`` hands it
-to the next attempt's workers, and ``forget_caused`` drops the one that caused the
-failure (it fired).
+step) or done here; controller-crash kills this process. A checkpoint damaged here is
+marked invalid in the store at once (rank 0 reports its own as an invalid
+``CheckpointEvent``): the manifest on disk is the truth, the store's flag follows it.
+A step-timed order handed to workers is *armed* in them: when the attempt fails before
+that step, ``rearm`` hands it to the next attempt's workers, and ``forget_caused``
+drops the one that caused the failure (it fired).
 
 It reaches the rest of the controller only through the narrow Protocols below. No Ray
 and no gRPC here (protobuf messages only).
@@ -64,6 +66,13 @@ class DownTimes(Protocol):
     def node_down_until(self, node: str, until: float) -> None: ...
 
 
+class CheckpointBook(Protocol):
+    """Keeps checkpoint validity in step with the disk (``store.Store``)."""
+
+    def invalidate_checkpoint(self, job_id: str, step: int, reason: str = "",
+                              attempt: int | None = None) -> None: ...
+
+
 def target(order: chaos.FaultOrder, placement: list[str]) -> tuple[str, list[int]]:
     """The node and ranks ``order`` hits in ``placement`` (node of each rank);
     ``NotFoundError`` when its rank or node is not in it."""
@@ -87,10 +96,11 @@ class ChaosFirer:
 
     ``fire`` runs on the chaos scheduler's thread, ``rearm``/``forget_caused`` on the
     controller's: the armed list is guarded by a lock. ``checkpoint_dir`` is the job's
-    checkpoint folder (ckpt-corrupt without a step); ``corrupt`` damages it."""
+    checkpoint folder (ckpt-corrupt without a step); ``corrupt`` damages it and returns
+    the damaged file; ``checkpoints`` is told which checkpoint that made invalid."""
 
     def __init__(self, job: Position, commands: CommandSink, breaker: Breaker, down: DownTimes,
-                 checkpoint_dir: str,
+                 checkpoints: CheckpointBook, checkpoint_dir: str,
                  corrupt: Callable[[str], Path] = chaos.corrupt_checkpoint,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._job = job
@@ -99,6 +109,7 @@ class ChaosFirer:
         self._down = down
         self._checkpoint_dir = checkpoint_dir
         self._corrupt = corrupt
+        self._checkpoints = checkpoints
         self._clock = clock
         self._lock = threading.Lock()
         self._armed: list[chaos.FaultOrder] = []
@@ -137,12 +148,30 @@ class ChaosFirer:
             # rank 0 corrupts at exactly that step (this thread only sees steps late)
             self._send(placement[0], attempt, 0, spec)
         elif kind is FaultKind.CKPT_CORRUPT:
-            damaged = self._corrupt(self._checkpoint_dir)
-            log.warning("chaos: corrupted %s", damaged)
+            self._corrupt_here(attempt)
         elif kind is FaultKind.CONTROLLER_CRASH:
             print(f"fleet: injected controller crash (job {self._job.job_id}); sending SIGKILL to pid "
                   f"{os.getpid()}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _corrupt_here(self, attempt: int) -> None:
+        """Damage the newest valid checkpoint and mark it invalid in the store (a
+        ``ckpt_invalid`` action of ``attempt``)."""
+        from fleet.workers.checkpoint import step_of  # torch: loaded by the corruption anyway
+
+        damaged = self._corrupt(self._checkpoint_dir)
+        log.warning("chaos: corrupted %s", damaged)
+        step = step_of(damaged.parent)
+        if step is None:
+            log.warning("chaos: %s is not in a step directory; the store is left as it is", damaged)
+            return
+        try:
+            self._checkpoints.invalidate_checkpoint(
+                self._job.job_id, step, f"ckpt-corrupt fault: the controller flipped bytes in {damaged.name}",
+                attempt=attempt or None)
+        except NotFoundError:
+            # its save is still on its way to the store; the restore that skips it marks it
+            log.warning("chaos: checkpoint of step %d is not in the store yet", step)
 
     def _send(self, node: str, attempt: int, rank: int, spec: events_pb2.FaultSpec) -> None:
         self._commands.send(node, events_pb2.Command(

@@ -78,6 +78,13 @@ def step_path(checkpoint_dir: str | os.PathLike[str], step: int) -> Path:
     return Path(checkpoint_dir) / f"step_{step:08d}"
 
 
+def step_of(path: str | os.PathLike[str]) -> int | None:
+    """The step of checkpoint directory ``path`` (``step_path``'s inverse); None when
+    ``path`` is not a step directory."""
+    m = _STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 

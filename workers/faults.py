@@ -16,6 +16,10 @@ Fault kinds understood here (``WORKER_KINDS``), each armed for the first step
     (``DEFAULT_SLOW_DELAY_S`` when 0) before its compute, for ``duration_s`` seconds
     counted from the first slowed step (0 = the rest of the attempt).
   * ``nan``: the rank's loss at the armed step becomes NaN, once (``poison_loss``).
+  * ``ckpt-corrupt`` (rank 0, handed a step by the controller): flips bytes in the
+    newest valid checkpoint at the top of that step, then tells ``on_checkpoint_damaged``
+    (step, path, reason), which the trainer wires to its reporter: the store marks that
+    checkpoint invalid at once, not only when a later restore skips it.
 Other kinds (node-down, partition, ...) are the agent's or the controller's; a rank
 logs and ignores them. ``after_s`` is the controller's delay and is ignored here.
 A ``stop`` command only sets ``stop_requested``; the training loop decides, together
@@ -84,6 +88,9 @@ class FaultHooks:
         self._hang_s = 0.0
         self._slow: _Slowdown | None = None
         self._nan_at_step: int | None = None
+        #: Called with (step, checkpoint path, reason) after ckpt-corrupt damaged a
+        #: checkpoint; set once the reporter exists (it is built after these hooks).
+        self.on_checkpoint_damaged: Callable[[int, str, str], object] | None = None
 
     @property
     def armed_crash_step(self) -> int | None:
@@ -155,14 +162,7 @@ class FaultHooks:
             if corrupt_at is not None and step >= corrupt_at:
                 self._corrupt_at_step = None
         if corrupt_at is not None and step >= corrupt_at:
-            from fleet.workers import checkpoint
-
-            try:
-                damaged = checkpoint.corrupt_newest(self.checkpoint_dir)
-                print(f"fleet: rank {self.rank} injected checkpoint corruption at step {step}: {damaged}",
-                      file=sys.stderr, flush=True)
-            except FileNotFoundError as exc:
-                log.warning("rank %d: ckpt-corrupt at step %d: %s", self.rank, step, exc)
+            self._corrupt_checkpoint(step)
         if crash_at is not None and step >= crash_at:
             self._crash(f"armed for step {crash_at}, now at step {step}")
         if hang_at is not None and step >= hang_at:
@@ -170,6 +170,22 @@ class FaultHooks:
         delay_s = self._slow_delay(step)
         if delay_s > 0:
             self._sleep(delay_s)
+
+    def _corrupt_checkpoint(self, step: int) -> None:
+        from fleet.workers import checkpoint
+
+        try:
+            damaged = checkpoint.corrupt_newest(self.checkpoint_dir)
+        except FileNotFoundError as exc:
+            log.warning("rank %d: ckpt-corrupt at step %d: %s", self.rank, step, exc)
+            return
+        print(f"fleet: rank {self.rank} injected checkpoint corruption at step {step}: {damaged}",
+              file=sys.stderr, flush=True)
+        damaged_step = checkpoint.step_of(damaged.parent)
+        if damaged_step is not None and self.on_checkpoint_damaged is not None:
+            self.on_checkpoint_damaged(damaged_step, str(damaged.parent),
+                                       f"ckpt-corrupt fault: rank {self.rank} flipped bytes in {damaged.name} "
+                                       f"at the top of step {step}")
 
     def poison_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times NaN the first time it is called at or after the armed ``nan`` step,

@@ -124,6 +124,7 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None, *,
     hooks = FaultHooks(spec.rank, checkpoint_dir=spec.checkpoint_dir if spec.rank == 0 else "")
     reporter = Reporter(spec, hooks.on_command)
     emit = _Emitter(spec, reporter)
+    hooks.on_checkpoint_damaged = emit.checkpoint_invalid  # ckpt-corrupt: the store learns at once
     tail = None
     if spec.fr_buffer_entries and native_fr.available():
         tail = NativeFlightTail(spec.job_id, spec.attempt, spec.rank, reporter.emit,

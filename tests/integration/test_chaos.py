@@ -185,6 +185,9 @@ def test_corrupt_newest_checkpoint_falls_back_to_an_older_one(tmp_path: Path, re
     check_job(tmp_path, summary, report, reference, [("crash", 3, "node-1")], attempts=2)
     (incident,) = report["incidents"]
     assert (incident["restored_step"], incident["restored_from"]) == (10, "disk"), incident
+    with store_of(tmp_path) as st:  # invalid in the store from the corruption on (attempt 2 saves it anew)
+        assert any(a.attempt == 1 and a.cause.startswith("checkpoint of step 20 invalid: ckpt-corrupt fault: rank 0")
+                   for a in st.actions(summary["job_id"]) if a.kind == "ckpt_invalid"), st.actions(summary["job_id"])
 
 
 def test_controller_crash_then_resume_goes_on_from_the_checkpoint(tmp_path: Path,

@@ -21,9 +21,14 @@ from fleet.workers.faults import DEFAULT_SLOW_DELAY_S, FAULT_EXIT_CODE, WORKER_K
 pytestmark = pytest.mark.timeout(60)
 
 
+#: A ``FaultSpec.kind`` number the contract does not define (what a newer controller may send).
+UNKNOWN_WIRE_KIND = 99
+
+
 def _fault(kind: str, at_step: int = 0, **fields: float) -> events_pb2.Command:
+    wire = FaultKind(kind).wire if kind in {k.value for k in FaultKind} else UNKNOWN_WIRE_KIND
     return events_pb2.Command(command_id=kind[0], rank=0,
-                              fault=events_pb2.FaultSpec(kind=FaultKind(kind).wire, at_step=at_step, **fields))
+                              fault=events_pb2.FaultSpec(kind=wire, at_step=at_step, **fields))
 
 
 def _crash(at_step: int) -> events_pb2.Command:
@@ -237,3 +242,62 @@ def test_nan_at_step_zero_poisons_the_next_loss_and_late_steps_still_fire():
     hooks.on_command(_fault("nan", 5))
     # the loop skipped step 5 (restored past it): the first step >= 5 gets it
     assert math.isnan(hooks.poison_loss(8, torch.tensor(1.0)).item())
+
+
+# -- ckpt-corrupt: rank 0 tells the store at once ---------------------------------------------
+
+
+def test_rank_0s_corruption_reaches_the_store_as_an_invalid_checkpoint_at_once(tmp_path):
+    """The order comes through a real reporter from a real agent server; rank 0 corrupts
+    the newest checkpoint at the armed step and reports it invalid, wired as
+    workers/train.py wires it; the batch the agent got lands in a real SQLite store,
+    which says invalid without any restore."""
+    from tests.unit.test_chaos import _save_two_checkpoints
+    from tests.unit.test_workers_parallel import in_pg
+    from tests.unit.test_workers_support import AgentServer, run_ranks
+    from fleet.controlplane.store import Store
+    from fleet.workers import checkpoint
+    from fleet.workers.reporter import Reporter
+    from fleet.workers.spec import WorkerSpec
+    from fleet.workers.train import _Emitter
+
+    ckpt = tmp_path / "ckpt"
+    run_ranks(in_pg, 1, (_save_two_checkpoints, str(ckpt)), timeout_s=50)
+    agent = AgentServer()
+    try:
+        with Store(f"sqlite:///{tmp_path}/fleet.db") as store:
+            job_id = store.create_job("t", 20, "{}")
+            attempt = store.create_attempt(job_id)
+            spec = WorkerSpec(job_id=job_id, attempt=attempt, rank=0, world_size=1, node_name="n0",
+                              master_addr="127.0.0.1", master_port=0, agent_address=agent.address,
+                              checkpoint_dir=str(ckpt), report_interval_s=0.02)
+            hooks = FaultHooks(0, checkpoint_dir=spec.checkpoint_dir)
+            armed = threading.Event()
+
+            def on_command(cmd: events_pb2.Command) -> None:
+                hooks.on_command(cmd)
+                armed.set()
+
+            with Reporter(spec, on_command) as reporter:
+                emit = _Emitter(spec, reporter)
+                hooks.on_checkpoint_damaged = emit.checkpoint_invalid
+                for step in (5, 10):  # what rank 0 reported when it saved them
+                    emit.checkpoint(step, str(checkpoint.step_path(ckpt, step)), "sha", 0.1)
+                agent.send(0, _fault("ckpt-corrupt", at_step=12))
+                assert armed.wait(20), "the order never reached the hooks"
+                hooks.before_step(11)
+                assert checkpoint.latest_valid(ckpt)[0] == 10
+                hooks.before_step(12)
+                assert checkpoint.latest_valid(ckpt)[0] == 5
+                agent.wait_for(lambda a: any(c.invalid for c in a.of_kind("checkpoint")))
+            [bad] = [c for c in agent.of_kind("checkpoint") if c.invalid]
+            assert (bad.job_id, bad.attempt, bad.rank, bad.step, bad.path) == \
+                (job_id, attempt, 0, 10, str(checkpoint.step_path(ckpt, 10)))
+            assert store.record_batch("agent-n0", 1, 1, [e for _, e in agent.events])
+            assert [(c.step, c.valid) for c in store.checkpoints(job_id)] == [(5, True), (10, False)]
+            [action] = [a for a in store.actions(job_id) if a.kind == "ckpt_invalid"]
+            assert action.cause.startswith("checkpoint of step 10 invalid: ckpt-corrupt fault: rank 0 flipped "
+                                           "bytes in ")
+            assert action.cause.endswith("at the top of step 12")
+    finally:
+        agent.stop()
