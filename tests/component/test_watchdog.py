@@ -371,9 +371,7 @@ def test_a_failing_observer_does_not_break_ingest(store: Store, job: str) -> Non
 # -- the bounded live diagnosis ----------------------------------------------------------------
 
 def test_recent_collectives_are_a_bounded_window_with_the_laggards_last_entry(store: Store, job: str) -> None:
-    from fleet.controlplane.diagnosis import diagnose
-    from fleet.controlplane.replay import diagnose_attempt
-    from fleet.controlplane.watchdog import recent_traces
+    from fleet.controlplane.diagnosis import diagnose, diagnose_attempt, recent_traces
 
     feed = Feed(store, Watchdog(store, job, CFG, Incidents()))  # never started: observes nothing
     feed.send([group_ev(job, r) for r in WORLD])
