@@ -529,6 +529,15 @@ def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
     return line
 
 
+def _key_text(part: Any) -> str:
+    """One part of a dotted key as an error shows it: quoted when it would not read as
+    one token on one line (an empty key, spaces at its ends, a newline, a dot)."""
+    text = str(part)
+    if isinstance(part, str) and (not text or not text.isprintable() or text.strip() != text or "." in text):
+        return repr(text)
+    return text
+
+
 def parse_cluster_yaml(text: str, source: str = "<string>") -> ClusterConfig:
     """Parse and validate cluster.yaml text; ``source`` names the file in errors."""
     try:
@@ -552,10 +561,10 @@ def parse_cluster_yaml(text: str, source: str = "<string>") -> ClusterConfig:
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        key = ".".join(str(p) for p in loc)
+        key = ".".join(_key_text(p) for p in loc)
         line = _line_of(root, loc) if loc else None
         where = f":{line}" if line else ""
-        msg = err["msg"].removeprefix("Value error, ")
+        msg = " ".join(err["msg"].removeprefix("Value error, ").splitlines())
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         more = f" (and {len(exc.errors()) - 1} more problem(s))" if len(exc.errors()) > 1 else ""

@@ -564,3 +564,11 @@ def test_config_imports_no_agent_runtime_module() -> None:
             "print(sorted(m for m in sys.modules if m.startswith('fleet.agent.') and m != 'fleet.agent.settings'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("key", ["\n", "a\nb", " padded ", "", "dotted.key"])
+def test_an_unknown_key_that_is_not_one_token_is_quoted_on_one_line(key: str) -> None:
+    # hypothesis found {'ray': {'\n': None}}: the key went into the message as a raw newline
+    msg = _error(yaml.safe_dump({"ray": {key: None}}))
+    assert "\n" not in msg and msg.endswith("unknown key"), msg
+    assert repr(key) in msg, msg
