@@ -278,10 +278,12 @@ class AttemptRunner:
         )
         self._maybe_quarantine(incident.node, attempt)
         self._pool.release(group.survivors())
-        undecided = self.firer.forget_caused(incident)  # it fired: never re-arm it
-        if undecided and IncidentKind(incident.kind) is not IncidentKind.ERROR:
-            # which armed faults the attempt reached is read from its steps: let the
-            # survivors' last reports reach the store first
+        self.firer.forget_caused(incident)  # it fired: never re-arm it
+        if IncidentKind(incident.kind) is not IncidentKind.ERROR:  # an error flushed above
+            # the attempt's final step, and which armed faults it reached, are read from
+            # its steps: the survivors' last reports (sent as their runs ended) must be in
+            # the store first, or the final step reads one short (a flush with nothing
+            # pending is one round trip)
             self._agents.flush(timeout_s=2)
         span = self.store.step_span(job_id, attempt)
         last_step = span[1] if span else 0
