@@ -216,7 +216,7 @@ class AttemptRunner:
             except queue.Empty:
                 incident = None
             if incident is not None:
-                if IncidentKind(incident.kind).ends_attempt:
+                if incident.kind.ends_attempt:
                     log.warning("attempt %d: %s", attempt, incident.evidence)
                     return incident
                 ended = self._side_incident(incident, attempt, group)
@@ -261,7 +261,7 @@ class AttemptRunner:
         self._watchdog.pause()
         while not self._incidents.empty():  # fired before the pause: about this attempt, now moot
             self._incidents.get_nowait()
-        kind = IncidentKind(incident.kind)
+        kind = incident.kind
         if incident.rank >= 0 and incident.rank in group.running() and kind in _STUCK_CULPRIT:
             group.kill_ranks([incident.rank])
         if kind is IncidentKind.NODE_LOSS and incident.node:
@@ -279,7 +279,7 @@ class AttemptRunner:
         self._maybe_quarantine(incident.node, attempt)
         self._pool.release(group.survivors())
         self.firer.forget_caused(incident)  # it fired: never re-arm it
-        if IncidentKind(incident.kind) is not IncidentKind.ERROR:  # an error flushed above
+        if incident.kind is not IncidentKind.ERROR:  # an error flushed above
             # the attempt's final step, and which armed faults it reached, are read from
             # its steps: the survivors' last reports (sent as their runs ended) must be in
             # the store first, or the final step reads one short (a flush with nothing
@@ -299,7 +299,7 @@ class AttemptRunner:
 
     def _node_lost(self, incident: Incident, group: Workers) -> Incident:
         """A crash that took every rank of a node together with its agent is a node loss."""
-        if IncidentKind(incident.kind) is not IncidentKind.CRASH or not incident.node:
+        if incident.kind is not IncidentKind.CRASH or not incident.node:
             return incident
         on_node = [r for r, n in enumerate(group.placement) if n.name == incident.node]
         agent_gone = incident.node not in self._registry.connected_nodes()
@@ -373,7 +373,7 @@ class AttemptRunner:
 
     def _attribute_by_trace(self, incident: Incident, attempt: int) -> Incident:
         """Let the attempt's collective traces name the culprit when no process died."""
-        if IncidentKind(incident.kind) is not IncidentKind.ERROR:
+        if incident.kind is not IncidentKind.ERROR:
             return incident
         try:
             _, diagnosis = diagnose_attempt(self.store, self.job.job_id, attempt)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+import ray.exceptions
 
 from fleet.proto import events_pb2
 from fleet.workers.failures import NonFiniteLossError, status_fields
@@ -30,13 +31,12 @@ def test_failed_status_carries_the_fields() -> None:
 
 
 def test_orchestrator_reads_the_fields_off_a_ray_task_error() -> None:
-    ray_exceptions = pytest.importorskip("ray.exceptions")
     from fleet.controlplane.orchestrator import nonfinite_loss
 
     def as_driver_sees(cause: BaseException) -> BaseException:
         # what ray.get raises on the driver: the worker's task error, pickled across
         # processes, as an instance of the cause's class too
-        err = ray_exceptions.RayTaskError("WorkerActor.run", "Traceback (most recent call last): ...", cause)
+        err = ray.exceptions.RayTaskError("WorkerActor.run", "Traceback (most recent call last): ...", cause)
         return pickle.loads(pickle.dumps(err)).as_instanceof_cause()
 
     assert nonfinite_loss(as_driver_sees(NonFiniteLossError(12, [3]))) == (12, (3,))
