@@ -24,11 +24,13 @@ directory. TLS files must exist when the file is parsed; they are kept as absolu
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag, ValidationError, create_model, field_validator, \
+    model_validator
 from pydantic.fields import FieldInfo
 
 from fleet.agent.settings import AGENT_SECTION_FIELDS, AgentSettings, check_batch_fits_memory
@@ -37,6 +39,7 @@ from fleet.controlplane.errors import ConfigError
 from fleet.proto.contract import MESSAGE_HEADROOM_BYTES
 from fleet.proto.kinds import IncidentKind
 from fleet.proto.tls import TlsFiles
+from fleet.workers.env import LAUNCH_VARS
 from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs, WorkerSpec, documented_fields
 
 #: The embedded default, used when ``fleet up`` is given no ``--cluster``.
@@ -242,6 +245,68 @@ class ModelConfig(create_model(
         return self
 
 
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: The tag of ``job.entrypoint``'s program form; errors name the key without it.
+_PROGRAM = "program"
+
+
+class EntrypointConfig(_Section):
+    """A program of yours, run once per rank with torchrun's environment (RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_*, ...) plus FLEET_JOB_ID and FLEET_ATTEMPT."""
+
+    module: StrictStr | None = Field(
+        None, description="Run `python -m MODULE` on every rank (dotted name). Set exactly one of module and "
+        "script.")
+    script: StrictStr | None = Field(
+        None, min_length=1, description="Or run `python SCRIPT` on every rank (a path, relative to workdir).")
+    args: list[StrictStr] = Field(
+        default_factory=list, description="Arguments after the module or script, each a string.")
+    env: dict[StrictStr, StrictStr] = Field(
+        default_factory=dict, description="Variables added to every rank's environment (fleet's own, such as "
+        "RANK, cannot be set here).")
+    workdir: StrictStr | None = Field(
+        None, description="Working directory of every rank (default: the directory `fleet up` runs in).")
+    inherit_env: bool | None = Field(
+        None, description="Start every rank with the environment of the `fleet` command, as torchrun does "
+        "(default: yes for a local cluster, no when attached with ray.address: then the node's).")
+    tee: bool = Field(
+        False, description="Also print every rank's output on the terminal, each line prefixed with its rank "
+        "(always kept in <state_dir>/logs/<job>/attempt-<n>/rank-<r>.log).")
+
+    @field_validator("module")
+    @classmethod
+    def _dotted(cls, value: str | None) -> str | None:
+        if value is not None and not _MODULE_NAME.match(value):
+            raise ValueError(f"{value!r} is not a dotted Python module name")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"{name!r} is not a valid environment variable name "
+                                 "(letters, digits and _, not starting with a digit)")
+            if name in LAUNCH_VARS:
+                raise ValueError(f"{name} is set by fleet for every rank; it cannot be set here")
+            if "\0" in value:
+                raise ValueError(f"{name}: a value cannot contain a NUL character")
+        return env
+
+    @model_validator(mode="after")
+    def _one_program(self) -> EntrypointConfig:
+        if (self.module is None) == (self.script is None):
+            raise ValueError("set exactly one of module and script")
+        if any("\0" in a for a in self.args):
+            raise ValueError("args cannot contain a NUL character")
+        return self
+
+    @property
+    def target(self) -> str:
+        return self.module or self.script or ""
+
+
 class _JobPlacement(_Section):
     nodes: int = Field(2, ge=1, le=100_000, description="Nodes the worker group spans.")
     ranks_per_node: int = Field(2, ge=1, le=64, description="Worker processes (ranks) per node.")
@@ -283,6 +348,18 @@ class JobConfig(create_model("_JobRecipe", __base__=_JobPlacement, **_embedded(T
         "`fleet release NODE` ends the wait. Then the job fails.",
     )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
+    entrypoint: Annotated[
+        Annotated[Literal["builtin"], Tag("builtin")] | Annotated[EntrypointConfig, Tag(_PROGRAM)],
+        Discriminator(lambda v: "builtin" if isinstance(v, str) else _PROGRAM),
+    ] = Field(
+        "builtin", description="What every rank runs: `builtin` (fleet's Llama-4-style trainer, configured by "
+        "the recipe keys of this section), or a program of yours (see job.entrypoint.*), for which the recipe "
+        "keys do not apply.")
+
+    @property
+    def user_program(self) -> EntrypointConfig | None:
+        """The user's entrypoint; None for the built-in trainer."""
+        return self.entrypoint if isinstance(self.entrypoint, EntrypointConfig) else None
 
     @property
     def world_size(self) -> int:
@@ -294,6 +371,11 @@ class JobConfig(create_model("_JobRecipe", __base__=_JobPlacement, **_embedded(T
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
+        if self.user_program is not None:
+            recipe = [name for name in (*_owned_fields(TrainArgs), "model") if name in self.model_fields_set]
+            if recipe:
+                raise ValueError(f"{recipe[0]} is a setting of the built-in trainer; with a job.entrypoint "
+                                 "program it does not apply (pass it to your program in entrypoint.args)")
         model = self.model.args()
         if self.seq_len > model.max_seq_len:
             raise ValueError(
@@ -560,7 +642,9 @@ def parse_cluster_yaml(text: str, source: str = "<string>") -> ClusterConfig:
         return ClusterConfig.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        loc = tuple(p for i, p in enumerate(err["loc"])
+                    if not (isinstance(p, str) and p.startswith("function-"))
+                    and not (i and err["loc"][i - 1] == "entrypoint" and p in (_PROGRAM, "builtin")))
         key = ".".join(_key_text(p) for p in loc)
         line = _line_of(root, loc) if loc else None
         where = f":{line}" if line else ""

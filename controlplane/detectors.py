@@ -32,6 +32,10 @@ class ObservedFailure(Protocol):
     error: str
     nonfinite_step: int                # > 0: the rank failed on a non-finite loss at this step
     nonfinite_ranks: Sequence[int]     # ...and these ranks' own loss was not finite
+    exit_code: int | None              # a launched process's exit code (negative: signal)
+    traceback: str                     # ...its traceback or output tail
+    exited_at: float                   # ...when it exited, Unix seconds (0: unknown)
+    reached_pg: bool                   # ...whether it had created its process group
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,10 @@ class Incident:
     rank: int          # -1: no rank can be named
     node: str          # "": no node can be named
     evidence: str
+    #: the culprit's traceback (a user entrypoint's error file or output tail; "" if none)
+    traceback: str = ""
+    #: the culprit process's exit code (negative: killed by that signal); None if unknown
+    exit_code: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", IncidentKind(self.kind))

@@ -46,10 +46,15 @@ class RankFailure:
     #: step (0: the failure was something else) and the ranks whose loss was not finite
     nonfinite_step: int = 0
     nonfinite_ranks: tuple[int, ...] = ()
-    #: a non-finite loss (``fleet.workers.failures.NonFiniteLossError``'s fields): its
-    #: step (0: the failure was something else) and the ranks whose loss was not finite
-    nonfinite_step: int = 0
-    nonfinite_ranks: tuple[int, ...] = ()
+    #: a user entrypoint's process (``fleet.workers.failures.RankExitError``'s fields): its
+    #: exit code (None: not known, e.g. the built-in trainer raised in-process; negative:
+    #: killed by that signal), the traceback it left (``TORCHELASTIC_ERROR_FILE``, the
+    #: launcher's capture, or the tail of its output), when it exited (Unix seconds, 0 =
+    #: unknown) and whether it had created its process group before it ended
+    exit_code: int | None = None
+    traceback: str = ""
+    exited_at: float = 0.0
+    reached_pg: bool = True
 
 
 #: A worker process as the runtime knows it (a Ray actor handle); opaque to the controller.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -32,10 +33,17 @@ def _default(field) -> str:  # noqa: ANN001 (pydantic FieldInfo)
 def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[BaseModel]]]:
     out = [(prefix, model)]
     for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
+        for ann in _models_in(field.annotation):
             out += _sections(ann, f"{prefix}{name}.")
     return out
+
+
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    """The section models a field's type names: itself, or the members of a union
+    (``job.entrypoint`` is ``builtin`` or a program's section)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
 def reference() -> str:

@@ -85,3 +85,52 @@ def apply_worker_env(spec: WorkerSpec, environ: MutableMapping[str, str] | None 
     environ.update(env)
     _applied.update(env)
     return env
+
+
+#: What torchrun tells every process it starts, plus fleet's own identity: set by the
+#: launcher for each rank of a user entrypoint, never by ``job.entrypoint.env``.
+TORCHRUN_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE",
+)
+FLEET_VARS = ("FLEET_JOB_ID", "FLEET_ATTEMPT", "FLEET_AGENT_ADDRESS")
+LAUNCH_VARS = frozenset(TORCHRUN_VARS + FLEET_VARS)
+
+
+def launch_env(spec: WorkerSpec) -> dict[str, str]:
+    """The per-rank variables of a user entrypoint's process (``spec.launch``), added at
+    launch to its base environment (``spec.launch.env``).
+
+    They are torchrun's, so an unmodified torchrun script runs as it is:
+    ``TORCHELASTIC_RESTART_COUNT`` is the attempt - 1, ``TORCHELASTIC_RUN_ID`` the job id,
+    and ``TORCHELASTIC_USE_AGENT_STORE=True``: rank 0's launcher serves the rendezvous
+    TCPStore on ``MASTER_ADDR`` only, and every rank's ``env://`` init joins it as a
+    client (torch's own rank-0 store would listen on every interface). The flight
+    recorder's ring comes from ``job.flight_recorder_entries`` unless the program's
+    environment sizes it; ``OMP_NUM_THREADS=1`` is set when the environment leaves it
+    unset, as torchrun does for several processes per node."""
+    launch = spec.launch
+    assert launch is not None
+    env = {
+        "RANK": str(spec.rank), "LOCAL_RANK": str(spec.local_rank), "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.local_world_size), "GROUP_RANK": str(spec.group_rank),
+        "GROUP_WORLD_SIZE": str(spec.group_world_size), "ROLE_RANK": str(spec.rank),
+        "ROLE_WORLD_SIZE": str(spec.world_size), "ROLE_NAME": "default",
+        "MASTER_ADDR": spec.master_addr, "MASTER_PORT": str(spec.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(max(spec.attempt - 1, 0)),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHELASTIC_RUN_ID": spec.job_id,
+        "TORCHELASTIC_ERROR_FILE": launch.error_file(spec.rank),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "FLEET_JOB_ID": spec.job_id, "FLEET_ATTEMPT": str(spec.attempt),
+        "FLEET_AGENT_ADDRESS": spec.agent_address,
+    }
+    if spec.master_addr and is_loopback(spec.master_addr) and "GLOO_SOCKET_IFNAME" not in launch.env:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    if not any(launch.env.get(name) for name in FR_BUFFER_VARS):
+        env.update({name: str(spec.fr_buffer_entries) for name in FR_BUFFER_VARS})
+    if "OMP_NUM_THREADS" not in launch.env:
+        env["OMP_NUM_THREADS"] = "1"
+    return env

@@ -186,6 +186,35 @@ def documented_fields(cls: type) -> dict[str, FieldInfo]:
 
 
 @dataclass(frozen=True)
+class Launch:
+    """A user program run once per rank as torchrun would run it (``job.entrypoint``).
+
+    Exactly one of ``module`` (``python -m module``) and ``script`` (``python script``)
+    is set. ``env`` is the program's base environment (the launcher's, when inherited,
+    then ``entrypoint.env``): the warm interpreter is started with it, and the per-rank
+    torchrun variables are added at launch (``fleet.workers.env.launch_env``)."""
+
+    module: str = ""
+    script: str = ""
+    args: tuple[str, ...] = ()
+    workdir: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: str = ""            # <state_dir>/logs/<job>/attempt-<n>: rank-<r>.log lands here
+    tee: bool = False            # also copy each line to the controller's terminal, rank-prefixed
+
+    @property
+    def target(self) -> str:
+        return self.module or self.script
+
+    def log_path(self, rank: int) -> str:
+        return f"{self.log_dir}/rank-{rank}.log"
+
+    def error_file(self, rank: int) -> str:
+        """Where torch's ``@record`` writes the rank's error (``TORCHELASTIC_ERROR_FILE``)."""
+        return f"{self.log_dir}/rank-{rank}.error.json"
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """Everything one rank needs to start, restore and train.
 
@@ -220,3 +249,12 @@ class WorkerSpec:
     fr_poll_interval_s: float = _documented(
         0.5, "Seconds between reads of a worker's native flight-recorder ring (events lag at most this).",
         gt=0, le=60)
+    #: a user entrypoint to run (None: fleet's built-in trainer, in this process)
+    launch: Launch | None = None
+    #: the rank's place as torchrun names it: LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the
+    #: node's index in the placement), GROUP_WORLD_SIZE; and TORCHELASTIC_MAX_RESTARTS
+    local_rank: int = 0
+    local_world_size: int = 1
+    group_rank: int = 0
+    group_world_size: int = 1
+    max_restarts: int = 0
