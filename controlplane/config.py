@@ -252,8 +252,10 @@ _PROGRAM = "program"
 
 
 class EntrypointConfig(_Section):
-    """A program of yours, run once per rank with torchrun's environment (RANK, LOCAL_RANK,
-    WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_*, ...) plus FLEET_JOB_ID and FLEET_ATTEMPT."""
+    """A program of yours, run once per rank as torchrun would run it.
+
+    Every rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+    TORCHELASTIC_*, ...) plus FLEET_JOB_ID and FLEET_ATTEMPT."""
 
     module: StrictStr | None = Field(
         None, description="Run `python -m MODULE` on every rank (dotted name). Set exactly one of module and "

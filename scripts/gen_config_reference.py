@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -43,6 +44,8 @@ def _models_in(annotation: object) -> list[type[BaseModel]]:
     (``job.entrypoint`` is ``builtin`` or a program's section)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType, typing.Annotated):
+        return []
     return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
