@@ -2,9 +2,10 @@
 rank's collectives looked like, the desync verdict, and the step timeline.
 
 Reads only through the Store's domain methods and returns plain dicts, so the CLI can
-print them as tables or JSON. The verdict itself is the diagnosis engine's, over traces
-it builds from the store (``controlplane.diagnosis.source``: the Store is a
-``TraceSource``). A checkpoint's ``valid`` is the store's flag, which follows the disk
+print them as tables or JSON. Each incident carries the failed program's ``exit_code``
+(negative: killed by that signal) and ``traceback`` ("" when none). The verdict itself
+is the diagnosis engine's, over traces it builds from the store
+(``controlplane.diagnosis.source``: the Store is a ``TraceSource``). A checkpoint's ``valid`` is the store's flag, which follows the disk
 manifest's verification (see ``Store.invalidate_checkpoint``).
 """
 
@@ -70,7 +71,8 @@ def replay_report(store: Store, job_id: str, attempt: int | None = None) -> dict
         "attempts": out_attempts,
         "incidents": [
             {"attempt": i.attempt, "kind": i.kind, "rank": i.rank, "node": i.node,
-             "detector": i.detector, "evidence": i.evidence, "detected_at": i.detected_at}
+             "detector": i.detector, "evidence": i.evidence, "detected_at": i.detected_at,
+             "exit_code": i.exit_code, "traceback": i.traceback}
             for i in store.incidents(job_id)
             if attempt is None or i.attempt == attempt
         ],

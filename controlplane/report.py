@@ -1,4 +1,5 @@
-"""`fleet report`: where a job's wall time went, from the store's records (pure).
+"""`fleet report`: where a job's wall time went, from the store's records (``job_report`` is pure;
+``load_report`` reads its records, and each incident's last progress, from a Store).
 
 Definitions (times in seconds; a step's time is its slowest rank's ``step_time_s``, since
 a synchronous step ends when its last rank does):
@@ -18,19 +19,33 @@ a synchronous step ends when its last rank does):
 which follows the manifest's verification on disk (a checkpoint a restore found corrupt
 is invalid), and ``invalid_checkpoints`` the causes recorded when one was marked so.
 
+Every incident carries ``detected_at`` (Unix seconds), the failed program's ``exit_code``
+(negative: killed by that signal) and ``traceback`` ("" when none), and
+``detected_after_s``: detection minus the last progress fleet saw before it in the
+incident's attempt (``Store.last_progress_ns``: a step end, or without the step API a
+collective), None when there was none. A caller without a store may leave ``progress``
+out; then the step records stand in, for the incidents that ended their attempt only:
+the attempt's last step end, or its start.
+
 Each incident that ended its attempt (the last one recorded for a failed attempt) also
-gets ``detected_after_s`` (its attempt's last step end, or the attempt's start, to
-detection) and ``recovery_s`` (detection to the first step completed by a later attempt,
-None when there was none), and, when the controller timed the restart, ``phases`` (detect,
-teardown, place, process-group init, restore, first step: seconds), ``restored_step``,
-``restored_from`` and ``steps_lost``. Incidents acted on while the attempt ran on
-(agent loss, straggler, loss spike) have ``ended_attempt`` false and no recovery.
+gets ``recovery_s`` (detection to the first step completed by a later attempt, None when
+there was none), ``next_attempt_after_s`` (detection to the start of the next attempt,
+None when there was none: the restart's wall time, with or without steps), and, when the
+controller timed the restart, ``phases`` (detect, teardown, place, process-group init,
+restore, first step: seconds), ``restored_step``, ``restored_from`` and ``steps_lost``.
+Incidents acted on while the attempt ran on (agent loss, straggler, loss spike) have
+``ended_attempt`` false and no recovery.
+
+A job that ran without the step API (attempts, but no step rows at all) has ``ettr``
+None: its productive time cannot come from steps. ``attempts_detail`` gives every job's
+wall time by attempt (``number``, ``state``, ``started_at``, ``ended_at``, ``wall_s``,
+``reason``), which is what such a job's time is accounted by, with its incidents.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleet.controlplane.lifecycle import NodeState
@@ -43,6 +58,7 @@ from fleet.controlplane.store import (
     NodeRecord,
     RecoveryRecord,
     StepRecord,
+    Store,
 )
 from fleet.controlplane.store.records import CKPT_INVALID
 from fleet.proto.kinds import IncidentKind
@@ -67,8 +83,12 @@ def _timeline(steps: Sequence[StepRecord]) -> dict[int, dict[int, tuple[float, f
 def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequence[StepRecord],
                incidents: Sequence[IncidentRecord], actions: Sequence[ActionRecord],
                checkpoints: Sequence[CheckpointRecord], nodes: Sequence[NodeRecord],
-               now: float, recoveries: Sequence[RecoveryRecord] = ()) -> dict[str, Any]:
-    """The report of one job as a JSON-ready dict (see the module docstring)."""
+               now: float, recoveries: Sequence[RecoveryRecord] = (),
+               progress: Mapping[int, float | None] | None = None) -> dict[str, Any]:
+    """The report of one job as a JSON-ready dict (see the module docstring).
+
+    ``progress``: incident id -> the last progress before it in its attempt (Unix
+    seconds, None when there was none), as ``load_report`` reads it from the store."""
     timeline = _timeline(steps)
     numbers = sorted(a.number for a in attempts)
     restored = {a.number: a.restored_step or 0 for a in attempts}
@@ -108,28 +128,31 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         have = by_attempt.get(i.attempt)
         if have is None or have.id not in recovery_of and (i.id in recovery_of or IncidentKind(i.kind).ends_attempt):
             by_attempt[i.attempt] = i
+    started_at = {a.number: a.started_at for a in attempts}
     detection = restart = 0.0
     out_incidents = []
     for i in incidents:
         ended = by_attempt.get(i.attempt) is i
+        base = {"attempt": i.attempt, "kind": i.kind, "rank": i.rank, "node": i.node,
+                "detector": i.detector, "evidence": i.evidence, "detected_at": i.detected_at,
+                "exit_code": i.exit_code, "traceback": i.traceback}
+        seen = None if progress is None else progress.get(i.id)
+        after = None if seen is None else round(max(i.detected_at - seen, 0.0), 3)
         if not ended:
-            out_incidents.append({
-                "attempt": i.attempt, "kind": i.kind, "rank": i.rank, "node": i.node,
-                "detector": i.detector, "evidence": i.evidence, "ended_attempt": False,
-                "detected_after_s": None, "recovery_s": None,
-            })
+            out_incidents.append({**base, "ended_attempt": False, "detected_after_s": after,
+                                  "recovery_s": None, "next_attempt_after_s": None})
             continue
-        started = next((a.started_at for a in attempts if a.number == i.attempt), job.created_at)
-        last = last_end(i.attempt) or started
+        last = last_end(i.attempt) or started_at.get(i.attempt, job.created_at)
+        if progress is None:
+            after = round(max(i.detected_at - last, 0.0), 3)
         # the first later attempt that completed a step (one that failed at once did not)
         nxt = next((m for m in numbers if m > i.attempt and timeline.get(m)), None)
         resumed = first_end(nxt) if nxt is not None else None
+        following = next((started_at[m] for m in numbers if m > i.attempt), None)
         out_incidents.append({
-            "attempt": i.attempt, "kind": i.kind, "rank": i.rank, "node": i.node,
-            "detector": i.detector, "evidence": i.evidence,
-            "ended_attempt": True,
-            "detected_after_s": round(max(i.detected_at - last, 0.0), 3),
+            **base, "ended_attempt": True, "detected_after_s": after,
             "recovery_s": None if resumed is None else round(resumed - i.detected_at, 3),
+            "next_attempt_after_s": None if following is None else round(max(following - i.detected_at, 0.0), 3),
         })
         rec = recovery_of.get(i.id)
         if rec is not None:
@@ -155,9 +178,14 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         "job": job.id, "name": job.name, "state": job.state.value,
         "final_step": job.steps_completed, "total_steps": job.total_steps,
         "wall_s": round(wall, 3), "productive_s": round(productive, 3),
-        "ettr": round(productive / wall, 4),
+        # attempts that ran and never reported a step: a program without the step API
+        "ettr": None if numbers and not timeline else round(productive / wall, 4),
         "lost_s": {k: round(v, 3) for k, v in lost.items()},
         "attempts": len(numbers),
+        "attempts_detail": [
+            {"number": a.number, "state": a.state.value, "started_at": a.started_at, "ended_at": a.ended_at,
+             "wall_s": round(max((a.ended_at or end_of_job) - a.started_at, 0.0), 3), "reason": a.reason}
+            for a in sorted(attempts, key=lambda a: a.number)],
         "restarts": sum(1 for a in actions if a.kind == "restart"),
         "steps_lost": sum(r.steps_lost for r in recoveries),
         "incidents": out_incidents,
@@ -166,3 +194,16 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         "checkpoints": [{"step": c.step, "attempt": c.attempt, "valid": c.valid} for c in checkpoints],
         "invalid_checkpoints": [a.cause for a in actions if a.kind == CKPT_INVALID],
     }
+
+
+def load_report(store: Store, job_id: str, now: float) -> dict[str, Any]:
+    """``job_report`` of one job from the store, with each incident's last progress
+    (``Store.last_progress_ns``, one bounded lookup per incident)."""
+    incidents = store.incidents(job_id)
+    progress: dict[int, float | None] = {}
+    for i in incidents:
+        seen = store.last_progress_ns(job_id, i.attempt, int(i.detected_at * 1e9))
+        progress[i.id] = None if seen is None else seen / 1e9
+    return job_report(store.get_job(job_id), store.get_attempts(job_id), store.steps(job_id), incidents,
+                      store.actions(job_id), store.checkpoints(job_id), store.list_nodes(), now,
+                      store.recoveries(job_id), progress=progress)

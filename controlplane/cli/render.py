@@ -46,3 +46,32 @@ def fmt_time(ts: float | None) -> str:
     import datetime as dt
 
     return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def exit_text(code: int | None) -> str:
+    """A process's exit status as people read it: ``exit code 1``, ``killed by signal 9
+    (SIGKILL)`` for a negative code (how Python reports a signal death); "" when unknown."""
+    if code is None:
+        return ""
+    if code >= 0:
+        return f"exit code {code}"
+    import signal
+
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"killed by signal {-code}"
+    return f"killed by signal {-code} ({name})"
+
+
+#: How many lines of a traceback the text views show (the end, where the error is).
+TRACEBACK_LINES = 10
+
+
+def print_traceback(text: str, lines: int = TRACEBACK_LINES, indent: str = "    ") -> None:
+    """The last ``lines`` lines of a traceback, indented under what it belongs to."""
+    all_lines = text.rstrip("\n").splitlines()
+    if len(all_lines) > lines:
+        console.print(f"{indent}...", highlight=False, markup=False)
+    for line in all_lines[-lines:]:
+        console.print(f"{indent}{line}", highlight=False, markup=False, soft_wrap=True)

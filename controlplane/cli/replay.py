@@ -10,7 +10,14 @@ from typing import Annotated, Any
 import typer
 
 from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt
-from fleet.controlplane.cli.render import console, err_console, print_json, print_table
+from fleet.controlplane.cli.render import (
+    console,
+    err_console,
+    exit_text,
+    print_json,
+    print_table,
+    print_traceback,
+)
 from fleet.controlplane.errors import ConfigError, NotFoundError
 
 
@@ -186,10 +193,13 @@ def _print_job(report: dict[str, Any], last_steps: int) -> None:
             f"{sorted({d['node'] for d in lost})} never reached the store while this job ran "
             f"({lost[-1]['reason']}); a rank may look behind because of it (fleet nodes)")
     for inc in report["incidents"]:
+        how = exit_text(inc["exit_code"])
         console.print(
             f"[red]incident[/] attempt {inc['attempt']}: {inc['kind']} rank {inc['rank']} on {inc['node']} "
-            f"({inc['detector']}): {inc['evidence']}"
+            f"({inc['detector']}): {inc['evidence']}" + (f"; {how}" if how else "")
         )
+        if inc["traceback"]:
+            print_traceback(inc["traceback"])
     if report["checkpoints"]:
         console.print("checkpoints: " + ", ".join(
             f"step {c['step']}" + ("" if c["valid"] else " [red]INVALID[/]") for c in report["checkpoints"]))

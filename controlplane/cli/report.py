@@ -8,39 +8,60 @@ from typing import Annotated
 import typer
 
 from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
-from fleet.controlplane.cli.render import console, print_json, print_table
+from fleet.controlplane.cli.render import (
+    console,
+    exit_text,
+    fmt_time,
+    print_json,
+    print_table,
+    print_traceback,
+)
 
 
 def report(
     job_id: Annotated[str, typer.Argument(help="The job, as `fleet jobs` lists it.")],
     store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt = False,
 ) -> None:
-    """ETTR (productive step time / wall time), lost time by category, incidents with
-    their detection and recovery times, restarts and quarantines."""
-    from fleet.controlplane.report import job_report
+    """ETTR (productive step time / wall time), lost time by category, wall time by
+    attempt, incidents with their detection and recovery times, exit codes and
+    tracebacks, restarts and quarantines."""
+    from fleet.controlplane.report import load_report
 
     with open_store(store, cluster) as st:
-        job = st.get_job(job_id)
-        out = job_report(job, st.get_attempts(job_id), st.steps(job_id), st.incidents(job_id),
-                         st.actions(job_id), st.checkpoints(job_id), st.list_nodes(), time.time(),
-                         st.recoveries(job_id))
+        out = load_report(st, job_id, time.time())
     if json_out:
         print_json(out)
         return
     console.print(f"[bold]{out['job']}[/] {out['name']}: {out['state']}, step {out['final_step']}/"
                   f"{out['total_steps']}, {out['attempts']} attempt(s), {out['restarts']} restart(s)",
                   highlight=False)
-    console.print(f"ETTR {out['ettr']:.1%}: {out['productive_s']:.1f} s of productive steps in "
-                  f"{out['wall_s']:.1f} s", highlight=False)
-    print_table("lost time", ["category", "seconds", "share of wall"],
-                [[k.removesuffix("_s"), f"{v:.2f}", f"{v / out['wall_s']:.1%}"]
-                 for k, v in out["lost_s"].items()])
+    if out["ettr"] is None:
+        console.print(f"ETTR: not measured, the program reported no steps (call fleet.step to count "
+                      f"them); its {out['wall_s']:.1f} s of wall time by attempt and incident:",
+                      highlight=False)
+    else:
+        console.print(f"ETTR {out['ettr']:.1%}: {out['productive_s']:.1f} s of productive steps in "
+                      f"{out['wall_s']:.1f} s", highlight=False)
+        print_table("lost time", ["category", "seconds", "share of wall"],
+                    [[k.removesuffix("_s"), f"{v:.2f}", f"{v / out['wall_s']:.1%}"]
+                     for k, v in out["lost_s"].items()])
+    print_table("attempts", ["attempt", "state", "started", "ended", "wall s", "reason"],
+                [[a["number"], a["state"], fmt_time(a["started_at"]), fmt_time(a["ended_at"]),
+                  f"{a['wall_s']:.2f}", a["reason"] or "-"] for a in out["attempts_detail"]])
     if out["incidents"]:
-        print_table("incidents", ["attempt", "kind", "rank", "node", "detected after s", "recovery s",
+        print_table("incidents", ["attempt", "kind", "rank", "node", "exit", "detected after s", "recovery s",
                                   "steps lost", "restored from"],
-                    [[i["attempt"], i["kind"], i["rank"], i["node"], _dash(i["detected_after_s"]),
-                      _dash(i["recovery_s"]), _dash(i.get("steps_lost")), i.get("restored_from") or "-"]
+                    [[i["attempt"], i["kind"], i["rank"], i["node"], _dash(i["exit_code"]),
+                      _dash(i["detected_after_s"]), _dash(i["recovery_s"]), _dash(i.get("steps_lost")),
+                      i.get("restored_from") or "-"]
                      for i in out["incidents"]])
+        for i in out["incidents"]:
+            if i["exit_code"] is not None or i["traceback"]:
+                how = exit_text(i["exit_code"]) or "no exit code"
+                console.print(f"[red]attempt {i['attempt']}[/], {i['kind']} of rank {i['rank']} on "
+                              f"{i['node']}: {how}", highlight=False)
+                if i["traceback"]:
+                    print_traceback(i["traceback"])
         timed = [i for i in out["incidents"] if i.get("phases")]
         if timed:
             phases = list(timed[0]["phases"])

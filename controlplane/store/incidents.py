@@ -3,6 +3,8 @@ the controller did about it, how each restart went, and what it can restore from
 
 Invariants:
 - Incident kinds are ``IncidentKind`` values: ``record_incident`` refuses any other.
+- An incident's traceback reads back as ``""`` when none was stored (NULL in the table,
+  as in every incident from before migration 0005), its exit code as ``None``.
 - Action kinds are ``ACTION_KINDS``: ``record_action`` refuses any other.
 - A checkpoint is invalidated together with the ``ckpt_invalid`` action saying why
   (``ingest.invalidate_checkpoint``), in one transaction.
@@ -23,6 +25,10 @@ from fleet.controlplane.store.records import ActionRecord, CheckpointRecord, Inc
 from fleet.controlplane.store.schema import Action, Checkpoint, Incident, Recovery
 from fleet.proto.kinds import IncidentKind
 
+#: The most of a traceback an incident keeps: its end, where the error is (a stderr tail
+#: of a chatty program could otherwise be megabytes in one row).
+TRACEBACK_MAX_CHARS = 64 * 1024
+
 ACTION_KINDS = frozenset({"restart", "quarantine", "release", "rollback", "stop", "inject_fault",
                           "restart_agent", "shrink"})
 
@@ -32,9 +38,14 @@ class IncidentMethods(StoreBase):
 
     def record_incident(self, job_id: str, attempt: int, kind: IncidentKind | str, detector: str,
                         evidence: str, rank: int | None = None, node: str | None = None,
-                        detected_at: float | None = None) -> int:
+                        detected_at: float | None = None, traceback: str = "",
+                        exit_code: int | None = None) -> int:
         """Store a detected incident (``detected_at``: Unix time, default now); return its id.
-        ``ValueError`` (nothing written) when ``kind`` is not an ``IncidentKind``."""
+
+        ``traceback``: the failed program's traceback (its error file, else the tail of its
+        stderr), kept to its last ``TRACEBACK_MAX_CHARS``; ``exit_code``: its exit status,
+        negative when a signal killed it. ``ValueError`` (nothing written) when ``kind`` is
+        not an ``IncidentKind``."""
         try:
             kind = IncidentKind(kind)
         except ValueError:
@@ -43,7 +54,8 @@ class IncidentMethods(StoreBase):
             with self._tx(write=True) as s:
                 row = Incident(job_id=job_id, attempt=attempt, kind=kind.value, rank=rank, node=node,
                                detector=detector, evidence=evidence,
-                               detected_at=time.time() if detected_at is None else detected_at)
+                               detected_at=time.time() if detected_at is None else detected_at,
+                               traceback=traceback[-TRACEBACK_MAX_CHARS:] or None, exit_code=exit_code)
                 s.add(row)
                 s.flush()
                 return row.id
@@ -60,7 +72,7 @@ class IncidentMethods(StoreBase):
     def _incident_record(r: Incident) -> IncidentRecord:
         return IncidentRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, kind=IncidentKind(r.kind), rank=r.rank,
                               node=r.node, detector=r.detector, evidence=r.evidence,
-                              detected_at=r.detected_at)
+                              detected_at=r.detected_at, traceback=r.traceback or "", exit_code=r.exit_code)
 
     def incidents_on_node(self, node: str, since: float) -> list[IncidentRecord]:
         """Incidents blamed on ``node`` (any job) detected at or after ``since``, oldest first."""

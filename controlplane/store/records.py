@@ -192,6 +192,8 @@ class IncidentRecord:
     detector: str
     evidence: str
     detected_at: float
+    traceback: str = ""  # the failed program's traceback or stderr tail; "" when none
+    exit_code: int | None = None  # the failed process's exit status; negative: killed by that signal
 
 
 @dataclass(frozen=True)

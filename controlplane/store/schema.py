@@ -152,6 +152,7 @@ class Collective(Base):
     __table_args__ = (
         # The primary key doubles as the (job, attempt, rank, group, seq) index.
         Index(None, "job_id", "attempt", "group_name", "seq"),
+        Index(None, "job_id", "attempt", "enter_ns"),  # Store.last_progress_ns: the newest entries
     )
 
     job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN), primary_key=True)
@@ -191,6 +192,7 @@ class Step(Base):
     __table_args__ = (
         Index(None, "job_id", "attempt", "step"),
         Index(None, "job_id", "step"),  # last_step / steps_completed across attempts
+        Index(None, "job_id", "attempt", "end_ns"),  # Store.last_progress_ns: the newest step end
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -253,6 +255,10 @@ class Incident(Base):
     detector: Mapped[str] = mapped_column(String(64))
     evidence: Mapped[str] = mapped_column(Text)
     detected_at: Mapped[float] = mapped_column(Float)
+    # The failed program's traceback (its error file, else its stderr's tail) and exit code
+    # (negative: killed by that signal); NULL when there was none, as in rows from before 0005.
+    traceback: Mapped[str | None] = mapped_column(Text)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
 
 
 class Recovery(Base):

@@ -6,7 +6,8 @@ Invariants:
   events commit together or not at all; ``record_batches`` group-commits many.
 - Telemetry tables have no foreign key to jobs (ingest must not block on one), so
   direct writes such as ``record_sdc_check`` check the job first.
-- ``recent_collectives`` reads by index only, however many collectives are stored.
+- ``recent_collectives`` and ``last_progress_ns`` read by index only, however many
+  collectives are stored.
 """
 
 from __future__ import annotations
@@ -126,6 +127,36 @@ class TelemetryMethods(StoreBase):
         with self._tx(write=False) as s:
             first, last, last_end = s.execute(stmt).one()
         return None if first is None else (int(first), int(last), int(last_end))
+
+    #: How many of an attempt's newest collective entries ``last_progress_ns`` looks through
+    #: for a completion: more than are in flight at once (about one per rank and group).
+    PROGRESS_WINDOW = 4096
+
+    def last_progress_ns(self, job_id: str, attempt: int, before_ns: int) -> int | None:
+        """The last progress fleet saw in ``attempt`` at or before ``before_ns`` (Unix ns):
+        the newest step end of any rank; without one (a program that does not call the step
+        API), the newest completion among the attempt's ``PROGRESS_WINDOW`` newest
+        collective entries; without one either (gloo's ring may record no completion), the
+        newest collective entry. None when the attempt shows no progress at all by then.
+
+        One index lookup on steps and one bounded index range on collectives, however
+        many rows the attempt has."""
+        st = Step.__table__.c
+        c = Collective.__table__.c
+        with self._tx(write=False) as s:
+            step_end = s.scalar(select(st.end_ns).where(
+                st.job_id == job_id, st.attempt == attempt, st.end_ns <= before_ns)
+                .order_by(st.end_ns.desc()).limit(1))
+            if step_end is not None:
+                return int(step_end)
+            newest = (select(c.enter_ns, c.exit_ns)
+                      .where(c.job_id == job_id, c.attempt == attempt, c.enter_ns <= before_ns)
+                      .order_by(c.enter_ns.desc()).limit(self.PROGRESS_WINDOW).subquery())
+            done, entered = s.execute(select(
+                func.max(case((newest.c.exit_ns <= before_ns, newest.c.exit_ns))),
+                func.max(newest.c.enter_ns))).one()
+        progress = done if done is not None else entered
+        return None if progress is None else int(progress)
 
     def collectives(self, job_id: str, attempt: int | None = None, rank: int | None = None,
                     group: str | None = None) -> list[CollectiveRecord]:

@@ -61,7 +61,7 @@ def test_upgrade_from_empty_reaches_head_and_matches_the_models(store_url: str,
                                                                  engine: Engine) -> None:
     assert migrate.inspect_url(store_url).state == migrate.EMPTY
     assert migrate.upgrade_url(store_url) == (None, migrate.head())
-    assert migrate.current(engine) == migrate.head() == "0004"
+    assert migrate.current(engine) == migrate.head() == "0005"
     with engine.connect() as conn:
         # Alembic misreads SQLite's DEFAULT '' as a difference; its defaults are checked below.
         ctx = MigrationContext.configure(conn, opts={
@@ -70,7 +70,7 @@ def test_upgrade_from_empty_reaches_head_and_matches_the_models(store_url: str,
         defaults = {c["name"]: c["default"] for c in inspect(conn).get_columns("nodes")}
         assert [defaults["health"].split("::")[0], defaults["health_reason"].split("::")[0]] == [
             "'unknown'", "''"]
-    assert migrate.upgrade_url(store_url) == ("0004", "0004")
+    assert migrate.upgrade_url(store_url) == ("0005", "0005")
 
 
 def test_at_head_opening_costs_one_query(store_url: str) -> None:
@@ -80,7 +80,7 @@ def test_at_head_opening_costs_one_query(store_url: str) -> None:
     event.listen(eng, "before_cursor_execute",
                  lambda _c, _cur, sql, *_a: statements.append(sql.strip().upper()))
     try:
-        assert migrate.upgrade(write) == ("0004", "0004")
+        assert migrate.upgrade(write) == ("0005", "0005")
     finally:
         eng.dispose()
     assert [s for s in statements if s not in ("BEGIN", "ROLLBACK", "COMMIT")] == [
@@ -112,7 +112,7 @@ def test_store_made_before_migrations_is_stamped_and_upgraded(store_url: str,
             "('n1', 'r1', 'h1', '{}', 'quarantined', 'bad GEMM', 5.0, 6.0)"))
     assert migrate.inspect_url(store_url).state == migrate.UNVERSIONED
 
-    assert migrate.upgrade_url(store_url) == ("0001", "0004")
+    assert migrate.upgrade_url(store_url) == ("0001", "0005")
     with Store(store_url) as store:
         job = store.get_job("j-old")
         assert (job.name, job.state.value, job.steps_completed) == ("llama", "RUNNING", 3)
@@ -127,7 +127,7 @@ def test_store_made_before_migrations_is_stamped_and_upgraded(store_url: str,
                 for t in store.node_history("n1")] == [(None, "quarantined", "bad GEMM", "migration", None, 5.0)]
         store.release_node("n1")
         assert [t.actor for t in store.node_history("n1")] == ["migration", "operator"]
-    assert migrate.current(engine) == "0004"
+    assert migrate.current(engine) == "0005"
 
 
 def test_store_made_before_migrations_that_lacks_a_table_is_refused(store_url: str,
@@ -219,19 +219,19 @@ def test_concurrent_first_opens_from_processes(store_url: str, tmp_path: Path) -
 def test_fleet_db_upgrade_and_current(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["db", "current", "--url", store_url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "url": store_url, "current": None, "head": "0004", "state": "empty"}
+        "url": store_url, "current": None, "head": "0005", "state": "empty"}
 
     assert main(["db", "upgrade", "--url", store_url]) == 0
     out = capsys.readouterr().out
-    assert out.strip() == f"store {store_url} upgraded (empty) -> 0004"
+    assert out.strip() == f"store {store_url} upgraded (empty) -> 0005"
     assert main(["db", "upgrade", "--url", store_url]) == 0
-    assert capsys.readouterr().out.strip() == f"store {store_url} already at 0004 (head)"
+    assert capsys.readouterr().out.strip() == f"store {store_url} already at 0005 (head)"
 
     assert main(["db", "current", "--url", store_url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "url": store_url, "current": "0004", "head": "0004", "state": "head"}
+        "url": store_url, "current": "0005", "head": "0005", "state": "head"}
     assert main(["db", "current", "--url", store_url]) == 0
-    assert capsys.readouterr().out.strip() == f"store {store_url} at 0004 (head)"
+    assert capsys.readouterr().out.strip() == f"store {store_url} at 0005 (head)"
 
 
 def test_fleet_db_with_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -239,7 +239,7 @@ def test_fleet_db_with_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixt
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(f"name: demo\nstore:\n  url: {url}\n")
     assert main(["db", "upgrade", "--cluster", str(cluster)]) == 0
-    assert capsys.readouterr().out.strip() == f"store {url} upgraded (empty) -> 0004"
+    assert capsys.readouterr().out.strip() == f"store {url} upgraded (empty) -> 0005"
 
 
 @pytest.mark.parametrize("url, code", [
@@ -258,10 +258,11 @@ def test_fleet_db_with_a_bad_url(verb: str, url: str, code: int,
     assert "Traceback" not in out + err
 
 
-REVISIONS = ["0001", "0002", "0003"]
+REVISIONS = ["0001", "0002", "0003", "0004"]
+BEFORE_NODE_HISTORY = [r for r in REVISIONS if r < "0004"]
 
 
-@pytest.mark.parametrize("start", REVISIONS)
+@pytest.mark.parametrize("start", BEFORE_NODE_HISTORY)
 def test_upgrade_from_every_revision_keeps_nodes_and_starts_their_history(
         store_url: str, engine: Engine, start: str) -> None:
     assert REVISIONS + [migrate.head()] == [f"{i:04d}" for i in range(1, len(REVISIONS) + 2)]
@@ -299,3 +300,44 @@ def test_downgrade_from_head_drops_node_history_only(store_url: str, engine: Eng
     assert "node_transitions" not in inspect(engine).get_table_names()
     assert _scalar(engine, "SELECT count(*) FROM nodes") == 1
     assert migrate.upgrade_url(store_url) == ("0003", migrate.head())
+
+
+def test_upgrade_from_0004_keeps_incidents_without_traceback_or_exit_code(store_url: str,
+                                                                          engine: Engine) -> None:
+    _alembic_upgrade(engine, "0004")
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO jobs (id, name, state, total_steps, config_json, created_at, "
+            "updated_at, ended_at, reason) VALUES ('j-old', 'llama', 'RUNNING', 100, '{}', "
+            "1.0, 2.0, NULL, '')"))
+        conn.execute(text(
+            "INSERT INTO incidents (job_id, attempt, kind, rank, node, detector, evidence, detected_at) "
+            "VALUES ('j-old', 1, 'crash', 0, 'n0', 'crash', 'rank 0 died', 3.0), "
+            "('j-old', 1, 'hang', NULL, NULL, 'flight-recorder', 'rank 1 never entered', 4.0)"))
+    assert migrate.upgrade_url(store_url) == ("0004", migrate.head())
+    indexes = {i["name"] for t in ("steps", "collectives") for i in inspect(engine).get_indexes(t)}
+    assert {"ix_steps_job_id_attempt_end_ns", "ix_collectives_job_id_attempt_enter_ns"} <= indexes
+    with Store(store_url) as store:
+        assert [(i.kind, i.evidence, i.detected_at, i.traceback, i.exit_code)
+                for i in store.incidents("j-old")] == [
+            ("crash", "rank 0 died", 3.0, "", None), ("hang", "rank 1 never entered", 4.0, "", None)]
+        store.record_incident("j-old", 2, "crash", "crash", "rank 1 died", rank=1,
+                              traceback="ValueError: boom\n", exit_code=1)
+        assert [(i.traceback, i.exit_code) for i in store.incidents("j-old")][-1] == ("ValueError: boom\n", 1)
+
+
+def test_downgrade_to_0004_drops_traceback_and_exit_code_and_keeps_incidents(store_url: str,
+                                                                             engine: Engine) -> None:
+    with Store(store_url) as store:
+        job = store.create_job("x", 1, "{}")
+        store.record_incident(job, 1, "crash", "crash", "rank 0 died", traceback="tb", exit_code=-9)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrate.MIGRATIONS_DIR))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0004")
+    assert {c["name"] for c in inspect(engine).get_columns("incidents")}.isdisjoint({"traceback", "exit_code"})
+    assert _scalar(engine, "SELECT evidence FROM incidents") == "rank 0 died"
+    assert migrate.upgrade_url(store_url) == ("0004", migrate.head())
+    with Store(store_url) as store:
+        assert [(i.evidence, i.traceback, i.exit_code) for i in store.incidents(job)] == [("rank 0 died", "", None)]

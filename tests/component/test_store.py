@@ -7,10 +7,12 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import event
 
 from fleet.controlplane.errors import ConfigError, FleetError, NotFoundError, StateError
 from fleet.controlplane.lifecycle import AttemptState, JobState, NodeActor, NodeState
 from fleet.controlplane.store import RecoveryRecord, Store
+from fleet.controlplane.store.incidents import TRACEBACK_MAX_CHARS
 from fleet.proto import events_pb2 as pb
 from fleet.proto.kinds import IncidentKind
 
@@ -586,3 +588,76 @@ def test_incident_kinds_are_validated_and_read_back_as_enums(store: Store, job: 
     assert kinds == [IncidentKind.NODE_LOSS, IncidentKind.AGENT_LOSS]
     assert all(type(k) is IncidentKind for k in kinds)
     assert [i.kind for i in store.incidents_on_node("n1", 0.0)] == kinds
+
+
+# -- failed programs: traceback and exit code; the last progress before an incident ---------
+
+def test_an_incident_keeps_the_programs_traceback_and_exit_code(store: Store, job: str) -> None:
+    tb = 'Traceback (most recent call last):\n  File "train.py", line 3\nValueError: lösung ✗\n'
+    store.record_incident(job, 1, "crash", "crash", "rank 1 exited", rank=1, node="n1", traceback=tb, exit_code=1)
+    store.record_incident(job, 1, "crash", "crash", "rank 0 killed", rank=0, node="n1", exit_code=-9)
+    store.record_incident(job, 1, "hang", "flight-recorder", "rank 2 never entered seq 7", rank=2, node="n1")
+    long = "x" * (TRACEBACK_MAX_CHARS + 10) + "\nRuntimeError: the end\n"
+    store.record_incident(job, 1, "crash", "crash", "rank 3 exited", rank=3, node="n1", traceback=long, exit_code=2)
+    got = [(i.traceback, i.exit_code) for i in store.incidents(job)]
+    assert got[:3] == [(tb, 1), ("", -9), ("", None)]
+    assert got[3] == (long[-TRACEBACK_MAX_CHARS:], 2) and got[3][0].endswith("RuntimeError: the end\n")
+    assert [(i.traceback, i.exit_code) for i in store.incidents_on_node("n1", 0.0)] == got
+
+
+def _coll_at(job_id: str, attempt: int, rank: int, seq: int, enter_ns: int, exit_ns: int | None) -> pb.Event:
+    ev = coll(job_id, seq, "started" if exit_ns is None else "completed", rank=rank, attempt=attempt)
+    ev.collective.enter_ns = enter_ns
+    if exit_ns is not None:
+        ev.collective.exit_ns = exit_ns
+    return ev
+
+
+def _step_at(job_id: str, attempt: int, rank: int, step: int, end_ns: int) -> pb.Event:
+    ev = step_ev(job_id, step, rank=rank, attempt=attempt)
+    ev.step.end_ns = end_ns
+    return ev
+
+
+def test_last_progress_is_the_newest_step_else_the_newest_completed_collective_else_entry(
+        store: Store, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = 1_000_000_000
+    store.create_attempt(job)
+    store.create_attempt(job)
+    events = [_coll_at(job, 1, 0, q, q * s, q * s + s // 2) for q in range(1, 6)]  # seq 1..5 done
+    events += [_coll_at(job, 1, r, 6, 6 * s + r, None) for r in (0, 1)]            # both wait in seq 6
+    events += [_coll_at(job, 2, 0, q, q * s, None) for q in (1, 2, 3)]            # gloo: no completion
+    events += [_step_at(job, 3, r, 1, 20 * s + r * s // 10) for r in (0, 1)]       # step 1 ends at 20.0/20.1 s
+    events += [_coll_at(job, 3, 0, 9, 25 * s, 25 * s + 1)]                         # a later collective
+    assert store.record_batch("a", 1, 1, events)
+
+    assert store.last_progress_ns(job, 1, 7 * s) == 5 * s + s // 2  # a completion beats a newer entry
+    assert store.last_progress_ns(job, 1, 5 * s + 1) == 4 * s + s // 2  # seq 5 had not completed yet
+    assert store.last_progress_ns(job, 1, s - 1) is None
+    assert store.last_progress_ns(job, 2, 10 * s) == 3 * s  # without completions, the newest entry
+    assert store.last_progress_ns(job, 3, 30 * s) == 20 * s + s // 10  # a step beats a later collective
+    assert store.last_progress_ns(job, 3, 20 * s + 1) == 20 * s
+    assert store.last_progress_ns(job, 3, 19 * s) is None
+    assert store.last_progress_ns(job, 4, 30 * s) is None and store.last_progress_ns("j-none", 1, 30 * s) is None
+    # the window is what bounds the lookup: with only the two waiting entries in it, no completion
+    monkeypatch.setattr(store, "PROGRESS_WINDOW", 2)
+    assert store.last_progress_ns(job, 1, 7 * s) == 6 * s + 1
+
+
+def test_last_progress_is_one_indexed_lookup_per_table(store: Store, job: str) -> None:
+    assert store.record_batch("a", 1, 1, [_coll_at(job, 1, 0, 1, 10, 20)])
+    statements: list[tuple[str, object]] = []
+    listen = lambda _c, _cur, sql, params, *_a: statements.append((sql, params))  # noqa: E731
+    event.listen(store._engine, "before_cursor_execute", listen)
+    try:
+        assert store.last_progress_ns(job, 1, 100) == 20
+    finally:
+        event.remove(store._engine, "before_cursor_execute", listen)
+    queries = [(q, p) for q, p in statements if q.strip().upper() not in ("BEGIN", "COMMIT", "ROLLBACK")]
+    assert [("steps" in q, "collectives" in q) for q, _ in queries] == [(True, False), (False, True)]
+    if store.dialect == "sqlite":  # PostgreSQL's planner picks a scan for a table this small
+        with store._engine.connect() as conn:
+            plans = [" ".join(str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + q, p))
+                     for q, p in queries]
+        assert "INDEX ix_steps_job_id_attempt_end_ns" in plans[0]
+        assert "INDEX ix_collectives_job_id_attempt_enter_ns" in plans[1]

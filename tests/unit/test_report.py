@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from fleet.controlplane.cli.render import exit_text
 from fleet.controlplane.lifecycle import AttemptState, JobState
 from fleet.controlplane.report import job_report
 from fleet.controlplane.store import (
@@ -109,3 +110,52 @@ def test_only_a_kind_that_ends_attempts_takes_over_as_the_cause(later: IncidentK
     out = job_report(job, attempts, steps, incidents, [], [], [], now=1020.0)
     ended = [i["kind"] for i in out["incidents"] if i["ended_attempt"]]
     assert ended == [later if later.ends_attempt else IncidentKind.CRASH]
+
+
+def test_incidents_carry_detection_from_the_last_progress_exit_code_and_traceback() -> None:
+    job = JobRecord(id="j", name="demo", state=JobState.RUNNING, total_steps=20, steps_completed=8,
+                    attempts=2, created_at=1000.0, ended_at=None, reason="", config_json="{}")
+    attempts = [AttemptRecord("j", 1, AttemptState.FAILED, 1000.0, 1010.0, 0, 5, "rank 1 exited"),
+                AttemptRecord("j", 2, AttemptState.RUNNING, 1012.0, None, 4, None, "")]
+    steps = [_step(1, k, 1000 + k) for k in range(1, 6)] + [_step(2, k, 1010 + k) for k in range(5, 9)]
+    incidents = [IncidentRecord(1, "j", 1, IncidentKind.STRAGGLER, 0, "n0", "straggler", "slow", 1003.5),
+                 IncidentRecord(2, "j", 1, IncidentKind.CRASH, 1, "n1", "crash", "rank 1 exited", 1009.0,
+                                traceback="ValueError: bad batch\n", exit_code=1)]
+    out = job_report(job, attempts, steps, incidents, [], [], [], now=1020.0, progress={1: 1003.0, 2: 1005.0})
+    side, crash = out["incidents"]
+    assert (side["detected_at"], side["detected_after_s"], side["exit_code"], side["traceback"]) == (
+        1003.5, 0.5, None, "")
+    assert (crash["detected_at"], crash["detected_after_s"], crash["exit_code"], crash["traceback"]) == (
+        1009.0, 4.0, 1, "ValueError: bad batch\n")
+    assert (crash["recovery_s"], crash["next_attempt_after_s"]) == (6.0, 3.0)  # step 5 of attempt 2 ends at 1015
+    assert out["ettr"] == round(out["productive_s"] / 20.0, 4)
+    assert out["attempts_detail"] == [
+        {"number": 1, "state": "FAILED", "started_at": 1000.0, "ended_at": 1010.0, "wall_s": 10.0,
+         "reason": "rank 1 exited"},
+        {"number": 2, "state": "RUNNING", "started_at": 1012.0, "ended_at": None, "wall_s": 8.0, "reason": ""}]
+    # an attempt with no progress before the incident: null, not the attempt's start
+    none_seen = job_report(job, attempts, steps, incidents, [], [], [], now=1020.0, progress={1: None})
+    assert [i["detected_after_s"] for i in none_seen["incidents"]] == [None, None]
+
+
+def test_a_job_without_the_step_api_has_no_ettr_and_wall_time_by_attempt() -> None:
+    job = JobRecord(id="j", name="script", state=JobState.SUCCEEDED, total_steps=0, steps_completed=0,
+                    attempts=2, created_at=1000.0, ended_at=1030.0, reason="", config_json="{}")
+    attempts = [AttemptRecord("j", 1, AttemptState.FAILED, 1001.0, 1010.0, 0, None, "rank 0 was killed"),
+                AttemptRecord("j", 2, AttemptState.SUCCEEDED, 1011.5, 1030.0, 0, None, "")]
+    incidents = [IncidentRecord(1, "j", 1, IncidentKind.CRASH, 0, "n0", "crash", "rank 0 was killed", 1009.5,
+                                exit_code=-9)]
+    out = job_report(job, attempts, [], incidents, [], [], [], now=1040.0, progress={1: 1008.0})
+    assert out["ettr"] is None and out["productive_s"] == 0.0 and out["wall_s"] == 30.0
+    assert [(a["number"], a["wall_s"]) for a in out["attempts_detail"]] == [(1, 9.0), (2, 18.5)]
+    (crash,) = out["incidents"]
+    assert (crash["exit_code"], crash["detected_after_s"], crash["recovery_s"], crash["next_attempt_after_s"]) == (
+        -9, 1.5, None, 2.0)
+
+
+@pytest.mark.parametrize("code, text", [
+    (None, ""), (0, "exit code 0"), (1, "exit code 1"), (-9, "killed by signal 9 (SIGKILL)"),
+    (-15, "killed by signal 15 (SIGTERM)"), (-200, "killed by signal 200"),
+])
+def test_exit_status_text(code: int | None, text: str) -> None:
+    assert exit_text(code) == text
