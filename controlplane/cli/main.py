@@ -12,7 +12,7 @@ import traceback
 
 import typer
 
-from fleet.controlplane.cli import db, faults, jobs, model, nodes, replay, report, up
+from fleet.controlplane.cli import db, faults, jobs, logs, model, nodes, replay, report, run, up
 from fleet.controlplane.cli.render import err_console
 from fleet.controlplane.errors import FleetError
 
@@ -25,6 +25,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("up")(up.up)
+app.command("run", context_settings=run.CONTEXT_SETTINGS)(run.run)
+app.command("logs")(logs.logs)
 app.command("jobs")(jobs.jobs)
 app.command("nodes")(nodes.nodes)
 app.command("quarantine")(nodes.quarantine)
@@ -35,11 +37,21 @@ app.command("inject-fault")(faults.inject_fault)
 app.command("model-info")(model.model_info)
 app.add_typer(db.app, name="db")
 
+def _fleet_args_end(args: list[str]) -> int:
+    """Where fleet's own arguments end: `fleet run`'s program gets the rest untouched, a
+    --traceback of its own included."""
+    command = next((i for i, a in enumerate(args) if a != "--traceback"), len(args))
+    if args[command:command + 1] != ["run"]:
+        return len(args)
+    return command + 1 + run.program_start(args[command + 1:], typer.main.get_command(app).commands["run"])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    show_traceback = "--traceback" in args
-    args = [a for a in args if a != "--traceback"]
+    own = _fleet_args_end(args)
+    show_traceback = "--traceback" in args[:own]
+    args = [a for a in args[:own] if a != "--traceback"] + args[own:]
     code = 0
     try:
         app(args=args, prog_name="fleet", standalone_mode=True)

@@ -1,4 +1,7 @@
-"""`fleet up`: bring up Ray, the controller and the agents; run the job to its end."""
+"""`fleet up`: bring up Ray, the controller and the agents; run the job to its end.
+
+``run_job`` is the one path every job takes from a validated ``ClusterConfig`` to its end
+(`fleet run` builds its config in memory and calls it too)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -16,7 +19,8 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fleet.controlplane.cli.render import console, err_console, print_json
-from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
+from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, ClusterConfig, load_cluster_config
+from fleet.controlplane.entrypoint import check_entrypoint
 from fleet.controlplane.errors import FleetError, Interrupted, JobFailedError
 from fleet.controlplane.lifecycle import JobState
 
@@ -52,11 +56,25 @@ def up(
     ] = "",
 ) -> None:
     """Run the job described in a cluster.yaml until it succeeds, fails for good, or is stopped."""
+    config = load_cluster_config(cluster)
+    check_entrypoint(config, str(cluster))
+    run_job(config, json_out=json_out, verbose=verbose, resume=resume)
+
+
+def run_job(config: ClusterConfig, *, json_out: bool = False, verbose: bool = False, resume: str = "",
+            announce: bool = False) -> None:
+    """Run ``config``'s job to its end, as `fleet up` and `fleet run` do: progress bar on
+    stderr, Ray's chatter in ``<state_dir>/logs/controller.log``, then the summary (JSON
+    with ``json_out``). ``announce``: print the job id alone on stdout's first line as
+    soon as it exists. ``resume``: take over that job instead of creating one.
+
+    Returns when the job SUCCEEDED; raises ``JobFailedError`` (FAILED), ``FleetError``
+    (STOPPED) or ``Interrupted`` (Ctrl-C). The entrypoint must have passed
+    ``check_entrypoint`` already: nothing here may run before that check."""
     # imported here: the other commands need no controller, and start faster without it
     from fleet.controlplane.controller import Controller
     from fleet.controlplane.store import Store
 
-    config = load_cluster_config(cluster)
     state_dir = Path(config.state_dir)
     log_path = _setup_logging(state_dir, verbose)
     t0 = time.monotonic()
@@ -77,14 +95,21 @@ def up(
             redirect_stderr=False,
         )
         task = bar.add_task("job", total=config.job.steps, job="(new job)", state="PENDING", attempt=0, msg="")
+        say: Callable[[str], None] | None = None  # the real stdout, once fd 1 goes to the log
+        announced = not announce
 
         def show(p: JobProgress) -> None:
+            nonlocal announced
+            if not announced and p.job_id and say is not None:
+                announced = True
+                say(p.job_id)
             bar.update(task, completed=p.step, job=p.job_id, state=p.state, attempt=p.attempt, msg=p.message)
 
         controller = Controller(config, store, config_json=config.model_dump_json(), on_progress=show,
                                 resume_job=resume)
         try:
-            with _stdout_to(log_path), bar:
+            with _stdout_to(log_path) as terminal, bar:
+                say = _terminal_writer(terminal, bar)
                 result = controller.run()
         except KeyboardInterrupt:
             raise Interrupted(
@@ -118,6 +143,19 @@ def up(
         raise FleetError(f"job {result.job_id} stopped: {result.reason}")
 
 
+def _terminal_writer(terminal: int, bar: Progress) -> Callable[[str], None]:
+    """Print one line on the real stdout (``terminal``, a file descriptor) while fd 1 goes
+    to the log: through the live progress bar's console when both are the same terminal
+    (so the bar is redrawn below it), else straight to the descriptor (a pipe)."""
+    if os.isatty(terminal) and err_console.is_terminal and not bar.disable:
+        return lambda line: bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def write(line: str) -> None:
+        os.write(terminal, f"{line}\n".encode())
+
+    return write
+
+
 def _worker_phases(store: Store, job_id: str) -> dict[str, float]:
     """Slowest rank's process-group init and restore time, and training time, of attempt 1."""
     phases: dict[str, float] = {}
@@ -137,8 +175,9 @@ def _worker_phases(store: Store, job_id: str) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _stdout_to(path: Path) -> Iterator[None]:
-    """Append everything written to fd 1 to ``path`` for a while.
+def _stdout_to(path: Path) -> Iterator[int]:
+    """Append everything written to fd 1 to ``path`` for a while; yields a descriptor of
+    the real stdout, for what must still reach it (the job id of `fleet run`).
 
     Ray's driver prints cluster messages (e.g. "A worker died ...") straight to stdout;
     while the job runs they belong in the log, not in the terminal between progress
@@ -150,7 +189,7 @@ def _stdout_to(path: Path) -> Iterator[None]:
     os.dup2(fd, 1)
     os.close(fd)
     try:
-        yield
+        yield saved
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
