@@ -130,6 +130,27 @@ def hang_threshold_s(step_times_s: Sequence[float], factor: float, floor_s: floa
     return max(factor * median(times), floor_s) if times else floor_s
 
 
+def collective_hang_threshold_s(gaps_s: Iterable[float], factor: float, floor_s: float) -> float:
+    """How long no rank may enter (or complete) a collective before a hang is suspected,
+    for a job that reports no steps, seconds: ``factor`` x the LARGEST of the recent gaps
+    between one rank's consecutive collective enters, never less than ``floor_s``.
+
+    The largest, not a median: a DDP step issues many bucket all-reduces a few
+    milliseconds apart and then computes for most of the step with no collective at
+    all; a threshold below that compute gap would call every slow step a hang."""
+    gaps = [g for g in gaps_s if math.isfinite(g) and g >= 0]
+    return max(factor * max(gaps), floor_s) if gaps else floor_s
+
+
+def collective_stall_reason(stalled_s: float, threshold_s: float, largest_gap_s: float, factor: float) -> str:
+    """The evidence sentence of a stall judged from collectives (``decide_hang``'s ``why``)."""
+    learned = factor * largest_gap_s
+    cadence = f"largest recent gap {largest_gap_s:.1f} s x hang_factor {factor:g}"
+    source = (f"from the job's collective cadence ({cadence})" if learned >= threshold_s else
+              f"from hang_floor_s (the job's collective cadence gives {learned:.1f} s: {cadence})")
+    return f"no collective entered or completed for {stalled_s:.1f} s, threshold {threshold_s:.1f} s {source}"
+
+
 def _confirmed(verdict: str | None, culprit_ranks: Sequence[int], summary: str, nodes: Sequence[str],
                why: str) -> Incident | None:
     """The incident of a flight-recorder verdict that names culprits, else None."""
@@ -153,7 +174,7 @@ def oldest_rank(progress: Mapping[int, tuple[int, float]]) -> int | None:
 
 def decide_hang(stalled_s: float, threshold_s: float, unconfirmed_s: float, verdict: str | None,
                 culprit_ranks: Sequence[int], summary: str, progress: Mapping[int, tuple[int, float]],
-                nodes: Sequence[str]) -> Incident | None:
+                nodes: Sequence[str], why: str | None = None) -> Incident | None:
     """Whether an attempt whose ranks finished no step for ``stalled_s`` hangs.
 
     Past ``threshold_s`` the flight recorder decides: a hang verdict names the rank the
@@ -162,11 +183,13 @@ def decide_hang(stalled_s: float, threshold_s: float, unconfirmed_s: float, verd
     since ranks normally enter a collective at different times. Without a verdict naming
     a culprit, the stall is a hang once it is ``unconfirmed_s`` past the threshold, blamed
     on the rank with the oldest ``progress`` (rank -1 when none stands out).
-    ``verdict`` None: no diagnosis could be made.
+    ``verdict`` None: no diagnosis could be made. ``why`` describes the stall in the
+    evidence (default: no step finished; ``collective_stall_reason`` for a job without steps).
     """
     if stalled_s <= threshold_s:
         return None
-    why = f"no rank finished a step for {stalled_s:.1f} s (hang threshold {threshold_s:.1f} s)"
+    if why is None:
+        why = f"no rank finished a step for {stalled_s:.1f} s (hang threshold {threshold_s:.1f} s)"
     confirmed = _confirmed(verdict, culprit_ranks, summary, nodes, why)
     if confirmed is not None:
         return confirmed
@@ -240,6 +263,17 @@ def detect_straggler(laggards: Sequence[tuple[int, int, float] | None], steps: i
 
 
 # -- losses ---------------------------------------------------------------------------------
+
+def nan_step_incident(step: int, rank: int, loss: float, nodes: Sequence[str]) -> Incident | None:
+    """The nan incident of a step that rank ``rank`` reported with a non-finite ``loss``
+    (``nodes[r]`` is rank r's node); None when the loss is finite. For programs that go on
+    after a NaN (a user's script): the built-in trainer raises on one itself."""
+    if math.isfinite(loss):
+        return None
+    node = _node_of(rank, nodes)
+    return Incident(IncidentKind.NAN, "nan", rank, node,
+                    f"rank {rank} on {node or 'no node'} reported a non-finite loss ({loss}) at step {step}")
+
 
 def loss_spike(recent_losses: Sequence[float], loss: float, factor: float, window: int) -> bool:
     """True when ``loss`` is above ``factor`` x the median of the last ``window`` finite

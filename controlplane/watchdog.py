@@ -7,6 +7,11 @@ applies the pure decisions of ``controlplane.detectors`` to what it has seen:
     flight-recorder diagnosis of the attempt's newest collectives (ranks waiting longer
     than the threshold in a collective another rank never entered); unconfirmed after
     ``unconfirmed_hang_s`` more. Before the first step: ``startup_timeout_s``.
+    A job that reports no steps (a user's program without ``fleet.step``) is judged from
+    its collectives alone, once a few gaps between each rank's consecutive collective
+    enters are known: no rank entered or completed a collective for ``hang_factor`` x
+    the largest recent gap (or ``hang_floor_s``), then the same confirmation.
+  * nan (``nan_from_steps`` only): a reported step whose loss is not finite.
   * straggler: the same rank entered each step's collectives last, by more than
     ``straggler_lag_s``, in ``straggler_steps`` consecutive steps.
   * loss_spike: a step's loss far above the median of the previous ones.
@@ -22,19 +27,22 @@ Timing: progress is measured with the workers' own wall-clock timestamps (a step
 ``end_ns``, a collective's ``enter_ns``; all ranks share one clock), so reporting latency
 does not delay detection. But what has not arrived yet is unknown, so every judgement is
 made as of ``now - telemetry lag``: the lag is measured, as the most a recent batch's
-oldest new timestamp (step end, collective start) trailed its arrival. A hang starting
-at T is thus reported at about T + threshold + lag + one interval.
+oldest new timestamp (step end, collective start; without steps also a collective's
+completion) trailed its arrival. A hang starting at T is thus reported at about
+T + threshold + lag + one interval, plus ``VERDICT_STABLE_S`` (rounded up to whole
+intervals) for the flight recorder's verdict to hold.
 
 Invariants:
   * ``on_incident`` runs on the watchdog thread, at most once per incident: one hang (or
     desync, or startup hang) per watched attempt, one straggler per (attempt, rank), one
-    loss spike per attempt, one agent loss per node until its agent is heard from again.
+    loss spike per attempt, one nan per attempt, one agent loss per node until its agent
+    is heard from again.
     ``watch`` re-arms them all. Never while paused; never once ``pause`` has returned.
   * Only rows of the watched job and attempt count; rows that arrive before ``watch``
     names their attempt are dropped (call ``watch`` before the workers start).
   * A rank that reported FAILED stops hang detection for the attempt (the controller
-    attributes failures itself); so does the job's last step being done (ranks are
-    finishing, not hanging).
+    attributes failures itself); so does the job's last step being done, or for a job
+    without steps a rank that reported FINISHED (ranks are finishing, not hanging).
 """
 
 from __future__ import annotations
@@ -69,8 +77,48 @@ LAG_SAMPLES = 64
 #: oldest are dropped.
 INBOX_MAX = 10_000
 
+#: Gaps between one rank's consecutive collective enters remembered, per rank of the
+#: attempt (pooled over ranks): the collective hang threshold is taken over them. Enough
+#: to span many steps of a DDP or FSDP loop, so its compute gap stays in view; few
+#: enough that a long start-up gap is forgotten after that many collectives.
+COLLECTIVE_GAPS_PER_RANK = 128
+#: Gaps per rank of the attempt (pooled) known before a job without steps is judged from
+#: its collectives; before that, the start-up timeout applies. More than one step's
+#: bucket of short gaps: the set-up collectives and the first burst alone do not show
+#: the compute gap, and a threshold learned from them would call it a hang.
+MIN_COLLECTIVE_GAPS_PER_RANK = 8
+#: (group, seq) entries kept per step for the straggler check: without the step API every
+#: collective is "step 0", a step that never ends; the oldest are dropped beyond this.
+ARRIVALS_PER_STEP = 4096
+
 #: How long a flight-recorder verdict must hold, unchanged, before a hang is declared on it.
 VERDICT_STABLE_S = 0.5
+
+
+class _RecentMax:
+    """The largest of the last ``size`` values pushed (a sliding-window maximum: O(1)
+    amortised per push, whatever the window)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.pushed = 0
+        self._candidates: deque[tuple[int, float]] = deque()  # (index, value), values decreasing
+
+    def push(self, value: float) -> None:
+        index, self.pushed = self.pushed, self.pushed + 1
+        while self._candidates and self._candidates[-1][1] <= value:
+            self._candidates.pop()
+        self._candidates.append((index, value))
+        if self._candidates[0][0] <= index - self.size:
+            self._candidates.popleft()
+
+    def known(self) -> int:
+        """How many values the window holds."""
+        return min(self.pushed, self.size)
+
+    def values(self) -> list[float]:
+        """The values of the window that can still be its maximum (the maximum first)."""
+        return [v for _, v in self._candidates]
 
 
 @dataclass
@@ -82,12 +130,15 @@ class _Watched:
     started: float                            # monotonic, when watch() was called
     step_times: deque[float]
     losses: deque[float]
+    gaps: _RecentMax                          # s between one rank's consecutive collective enters
     last_step: dict[int, int] = field(default_factory=dict)
     last_end_ns: dict[int, int] = field(default_factory=dict)
     last_enter_ns: dict[int, int] = field(default_factory=dict)
+    coll_progress_ns: int = 0                 # newest collective enter or completion, any rank
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))
     loss_step: int = -1                       # newest step whose loss was judged
     failed: bool = False                      # a rank reported FAILED
+    finished: bool = False                    # a rank reported FINISHED
     # straggler: per step, per (group, seq): (group size, rank -> enter_ns)
     arrivals: dict[int, dict[tuple[str, int], tuple[int, dict[int, int]]]] = field(default_factory=dict)
     coll_step: dict[int, int] = field(default_factory=dict)  # rank -> newest step of its collectives
@@ -108,17 +159,21 @@ class Watchdog:
     ``lambda: registry.silent_for(time.monotonic())``); None turns agent-loss detection
     off. An agent that disconnects counts as silent from its last report on.
     ``agent_timeout_s``: silence after which an agent is lost (controller.heartbeat_timeout_s).
+    ``nan_from_steps``: a reported step whose loss is not finite is a nan incident (for
+    user programs, which do not raise on one as the built-in trainer does).
     """
 
     def __init__(self, store: Store, job_id: str, cfg: DetectConfig, on_incident: Callable[[Incident], None],
                  silent_for: Callable[[], dict[str, float]] | None = None, *,
-                 agent_timeout_s: float = ControllerConfig.model_fields["heartbeat_timeout_s"].default) -> None:
+                 agent_timeout_s: float = ControllerConfig.model_fields["heartbeat_timeout_s"].default,
+                 nan_from_steps: bool = False) -> None:
         self._store = store
         self._job_id = job_id
         self._cfg = cfg
         self._on_incident = on_incident
         self._silent_for = silent_for
         self._agent_timeout_s = agent_timeout_s
+        self._nan_from_steps = nan_from_steps
         self._inbox: deque[tuple[int, PreparedBatch]] = deque(maxlen=INBOX_MAX)
         self._lock = threading.RLock()        # the watched state
         self._fire_lock = threading.RLock()   # held while firing; pause() takes it
@@ -163,6 +218,7 @@ class Watchdog:
                 number=attempt, nodes=list(nodes_by_rank), started=now,
                 step_times=deque(maxlen=STEP_TIMES_PER_RANK * world),
                 losses=deque(maxlen=self._cfg.loss_window),
+                gaps=_RecentMax(COLLECTIVE_GAPS_PER_RANK * world),
                 laggards=deque(maxlen=self._cfg.straggler_steps))
             for node in nodes_by_rank:
                 self._heard.setdefault(node, now)  # never heard: silent from now on
@@ -237,6 +293,7 @@ class Watchdog:
         job, number, cfg = self._job_id, w.number, self._cfg
         found: list[Incident] = []
         oldest_new = None
+        nonfinite: tuple[int, int, float] | None = None  # (step, rank, loss): the batch's first NaN
         for s in batch.step_rows():
             if s.job_id != job or s.attempt != number:
                 continue
@@ -256,32 +313,52 @@ class Watchdog:
                         step, s.loss, w.losses, cfg.loss_spike_factor, cfg.loss_window))
                 if math.isfinite(s.loss):
                     w.losses.append(s.loss)
+            if self._nan_from_steps and not math.isfinite(s.loss) and (
+                    nonfinite is None or (step, rank) < nonfinite[:2]):
+                nonfinite = (step, rank, s.loss)
+        if nonfinite is not None:
+            found += self._once(w, (IncidentKind.NAN,), detectors.nan_step_incident(*nonfinite, w.nodes))
         for st in batch.status_rows():
-            if st.job_id == job and st.attempt == number and st.state == "FAILED":
-                w.failed = True
+            if st.job_id == job and st.attempt == number:
+                if st.state == "FAILED":
+                    w.failed = True
+                elif st.state == "FINISHED":
+                    w.finished = True
         if batch.collectives:
-            started = self._collectives(w, batch.collective_rows())
-            if started is not None:
-                oldest_new = started if oldest_new is None else min(oldest_new, started)
+            started, fresh = self._collectives(w, batch.collective_rows())
+            # Without steps, completions are the progress judged, so their delivery counts too.
+            new = started if w.last_end_ns else fresh
+            if new is not None:
+                oldest_new = new if oldest_new is None else min(oldest_new, new)
             found += self._stragglers(w)
         if oldest_new is not None:
             w.lags.append(max(0.0, (arrival_ns - oldest_new) / 1e9))
         return found
 
-    def _collectives(self, w: _Watched, rows: Iterable[CollectiveRow]) -> int | None:
-        """Fold collective rows into ``w``; the oldest start among "started" rows, if any."""
+    def _collectives(self, w: _Watched, rows: Iterable[CollectiveRow]) -> tuple[int | None, int | None]:
+        """Fold collective rows into ``w``. Returns the oldest start among "started" rows
+        and the oldest of the rows' newest timestamps (enter, or exit once completed),
+        each None without rows of the attempt."""
         job, number = self._job_id, w.number
-        last_enter, coll_step, arrivals = w.last_enter_ns, w.coll_step, w.arrivals
+        last_enter, coll_step, arrivals, gaps = w.last_enter_ns, w.coll_step, w.arrivals, w.gaps
         judged = -1 if w.judged is None else w.judged
-        oldest_started = None
+        oldest_started = oldest_fresh = None
+        progress = w.coll_progress_ns
         for row in rows:
             if row.job_id != job or row.attempt != number:
                 continue
             rank, enter = row.rank, row.enter_ns
-            if enter > last_enter.get(rank, 0):
+            prev = last_enter.get(rank, 0)
+            if enter > prev:
+                if prev:
+                    gaps.push((enter - prev) / 1e9)
                 last_enter[rank] = enter
             if row.state == "started" and (oldest_started is None or enter < oldest_started):
                 oldest_started = enter
+            fresh = max(enter, row.exit_ns or 0)
+            progress = max(progress, fresh)
+            if oldest_fresh is None or fresh < oldest_fresh:
+                oldest_fresh = fresh
             step, group = row.step, row.group
             if step <= judged or group.endswith(P2P_SUFFIX):
                 continue
@@ -293,9 +370,12 @@ class Watchdog:
             key = (group, row.seq)
             entry = per_step.get(key)
             if entry is None:
+                if len(per_step) >= ARRIVALS_PER_STEP:
+                    del per_step[next(iter(per_step))]
                 entry = per_step[key] = (row.group_size, {})
             entry[1][rank] = enter
-        return oldest_started
+        w.coll_progress_ns = progress
+        return oldest_started, oldest_fresh
 
     def _stragglers(self, w: _Watched) -> list[Incident]:
         """Judge every step all ranks have moved past (their collectives of a later step
@@ -351,32 +431,54 @@ class Watchdog:
         return min(max(w.lags, default=0.0), self._cfg.unconfirmed_hang_s)
 
     def _suspect(self, w: _Watched, now_ns: int, now: float, total_steps: int | None) -> tuple | None:
-        """``(kind, seconds, threshold_s, horizon_ns, progress)`` when a hang is suspected:
-        kind "startup" (no step yet) or "stall"; None otherwise."""
+        """``(kind, seconds, threshold_s, horizon_ns, progress, why)`` when a hang is
+        suspected: kind "startup" (no step yet, nor a known collective cadence) or "stall"
+        (``why``: the stall's evidence, None for the default); None otherwise."""
         cfg = self._cfg
         if w.failed or (IncidentKind.HANG,) in w.fired:
             return None
         lag_ns = int(self._lag_s(w) * 1e9)
         horizon_ns = now_ns - lag_ns
         if not w.last_end_ns:
+            if w.gaps.known() >= MIN_COLLECTIVE_GAPS_PER_RANK * max(len(w.nodes), 1):
+                return self._collective_suspect(w, now_ns, horizon_ns)
             waited = now - w.started
             if waited <= cfg.startup_timeout_s:
                 return None
-            return "startup", waited, cfg.hang_floor_s, horizon_ns, {}
+            return "startup", waited, cfg.hang_floor_s, horizon_ns, {}, None
         if total_steps is not None and max(w.last_step.values()) >= total_steps:
             return None  # the last step is done: ranks are finishing
         stalled = (horizon_ns - max(w.last_end_ns.values())) / 1e9
         threshold = detectors.hang_threshold_s(w.step_times, cfg.hang_factor, cfg.hang_floor_s)
         if stalled <= threshold:
             return None
+        return "stall", stalled, threshold, horizon_ns, self._progress(w, now_ns), None
+
+    def _collective_suspect(self, w: _Watched, now_ns: int, horizon_ns: int) -> tuple | None:
+        """A job without steps: stalled since its newest collective enter or completion,
+        against a threshold learned from its collective cadence."""
+        if w.finished:
+            return None  # a rank is done: the others are finishing, not hanging
+        cfg = self._cfg
+        gaps = w.gaps.values()
+        stalled = (horizon_ns - w.coll_progress_ns) / 1e9
+        threshold = detectors.collective_hang_threshold_s(gaps, cfg.hang_factor, cfg.hang_floor_s)
+        if stalled <= threshold:
+            return None
+        why = detectors.collective_stall_reason(stalled, threshold, max(gaps), cfg.hang_factor)
+        return "stall", stalled, threshold, horizon_ns, self._progress(w, now_ns), why
+
+    @staticmethod
+    def _progress(w: _Watched, now_ns: int) -> dict[int, tuple[int, float]]:
+        """rank -> (last step, seconds since its last step end or collective enter)."""
         progress = {}
         for r in range(len(w.nodes)):
             last = max(w.last_end_ns.get(r, 0), w.last_enter_ns.get(r, 0))
             progress[r] = (w.last_step.get(r, 0), (now_ns - last) / 1e9 if last else math.inf)
-        return "stall", stalled, threshold, horizon_ns, progress
+        return progress
 
     def _judge_hang(self, w: _Watched, kind: str, seconds: float, threshold: float, horizon_ns: int,
-                    progress: dict, now: float) -> list[Incident]:
+                    progress: dict, why: str | None, now: float) -> list[Incident]:
         """Diagnose (at most every interval, and never more than half the time) and decide."""
         cfg = self._cfg
         if now >= w.next_diagnosis:
@@ -400,7 +502,7 @@ class Watchdog:
                                                   w.nodes)
             else:
                 incident = detectors.decide_hang(seconds, threshold, cfg.unconfirmed_hang_s, verdict, culprits,
-                                                 summary, progress, w.nodes)
+                                                 summary, progress, w.nodes, why)
             return self._once(w, (IncidentKind.HANG,), incident)
 
     def _diagnose(self, attempt: int, settle_s: float, horizon_ns: int) -> Diagnosis | None:

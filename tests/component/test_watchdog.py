@@ -7,6 +7,7 @@ plays its steps at a real pace and waits on the incident callback with a bounded
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 
@@ -23,7 +24,7 @@ from fleet.controlplane.grpc_server import ControllerServer
 from fleet.controlplane.lifecycle import JobState
 from fleet.controlplane.store import Store
 from fleet.controlplane.store.ingest import prepare
-from fleet.controlplane.watchdog import Watchdog
+from fleet.controlplane.watchdog import MIN_COLLECTIVE_GAPS_PER_RANK, VERDICT_STABLE_S, Watchdog
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests.component.conftest import TOKEN, StoreJobControl
 
@@ -187,6 +188,107 @@ def test_startup_hang_is_blamed_on_the_rank_the_flight_recorder_names(store: Sto
         (inc,) = incidents.wait(1, timeout_s=10.0)
         assert (inc.kind, inc.rank, inc.node) == ("hang", 2, "node-1")
         assert "startup timeout 1.5 s" in inc.evidence and "culprit rank 2" in inc.evidence
+
+
+# -- (a') hang of a job without steps: judged from its collectives alone -------------------------
+
+def _threshold_of(inc: Incident) -> float:
+    found = re.search(r"threshold ([0-9.]+) s from the job's collective cadence", inc.evidence)
+    assert found, inc.evidence
+    return float(found.group(1))
+
+
+def test_a_job_without_steps_hangs_from_its_collective_cadence(store: Store, job: str) -> None:
+    incidents = Incidents()
+    with _watchdog(store, job, incidents) as wd:
+        wd.watch(1, NODES)
+        feed = Feed(store, wd)
+        feed.send([group_ev(job, r) for r in WORLD])
+        # no step API: every collective is "step 0"; one all_gather every 0.4 s
+        rounds = MIN_COLLECTIVE_GAPS_PER_RANK + 2
+        for seq in range(1, rounds + 1):
+            t = time.time_ns()
+            feed.send([coll_ev(job, r, seq, 0, t + r * MS) for r in WORLD])
+            time.sleep(0.4)
+        # ranks 0, 1 and 3 enter the next all_gather and wait; rank 2 never does
+        entered = time.time_ns()
+        feed.send([coll_ev(job, r, rounds + 1, 0, entered, state="started") for r in (0, 1, 3)])
+        (inc,) = incidents.wait(1, timeout_s=10.0)
+        fired_ns, _ = incidents.got[0]
+        assert (inc.kind, inc.detector, inc.rank, inc.node) == ("hang", "hang", 2, "node-1")
+        assert "flight recorder: hang: culprit rank 2" in inc.evidence
+        assert f"rank 2 never entered collective {rounds + 1}" in inc.evidence
+        assert re.search(r"^no collective entered or completed for [0-9.]+ s, threshold [0-9.]+ s from the job's "
+                         r"collective cadence \(largest recent gap 0\.[4-9] s x hang_factor 3\)", inc.evidence)
+        threshold = _threshold_of(inc)  # as shown: to 0.1 s
+        assert CFG.hang_floor_s < threshold < 3 * 0.7  # 3 x the 0.4 s gap (and sleep's overshoot)
+        took = (fired_ns - entered) / 1e9
+        # VERDICT_STABLE_S, telemetry lag and two check intervals on top of the threshold
+        assert threshold - 0.05 < took <= threshold + VERDICT_STABLE_S + 1.0, f"fired {took:.2f} s after the stall"
+        assert incidents.wait(2, timeout_s=0.5) == [inc]
+
+
+def test_a_job_without_steps_keeps_its_cadence_of_bursts_and_long_compute_gaps(store: Store, job: str) -> None:
+    incidents = Incidents()
+    # A low floor and a short grace: a threshold learned from the short gaps (the floor)
+    # would call the first compute gap an unconfirmed hang; a start-up timeout shorter
+    # than the run shows that the collectives took over from it.
+    cfg = CFG.model_copy(update={"hang_floor_s": 0.3, "unconfirmed_hang_s": 0.5, "startup_timeout_s": 2.5})
+    compute_s, burst = 1.0, 5
+    with _watchdog(store, job, incidents, cfg) as wd:
+        wd.watch(1, NODES)
+        feed = Feed(store, wd)
+        feed.send([group_ev(job, r) for r in WORLD])
+        seq = 0
+        for _ in range(5):
+            for _ in range(burst):  # a DDP step's bucket all-reduces, 10 ms apart
+                seq += 1
+                t = time.time_ns()
+                feed.send([coll_ev(job, r, seq, 0, t + r * MS) for r in WORLD])
+                time.sleep(0.01)
+            last = time.time_ns()
+            time.sleep(compute_s)  # forward and backward: no collective at all
+        assert incidents.kinds() == []
+        # every rank stops at once: nobody waits on anybody, so only the grace makes it a hang
+        (inc,) = incidents.wait(1, timeout_s=3 * (compute_s + 0.2) + cfg.unconfirmed_hang_s + 3.0)
+        fired_ns, _ = incidents.got[0]
+        assert inc.kind == "hang" and inc.evidence.startswith("unconfirmed: no collective entered or completed")
+        assert re.search(r"from the job's collective cadence \(largest recent gap 1\.[0-2] s x hang_factor 3\)",
+                         inc.evidence), inc.evidence
+        threshold = _threshold_of(inc)  # as shown: to 0.1 s
+        assert threshold >= 3 * compute_s
+        assert (fired_ns - last) / 1e9 > threshold - 0.05 + cfg.unconfirmed_hang_s
+
+
+# -- (a'') nan from reported steps --------------------------------------------------------------
+
+class Both:
+    """Two watchdogs observing the same batches."""
+
+    def __init__(self, *watchdogs: Watchdog) -> None:
+        self.watchdogs = watchdogs
+
+    def observe(self, node: str, rows) -> None:  # noqa: ANN001
+        for wd in self.watchdogs:
+            wd.observe(node, rows)
+
+
+def test_a_nonfinite_step_loss_is_a_nan_incident_only_when_asked(store: Store, job: str) -> None:
+    on, off = Incidents(), Incidents()
+    with _watchdog(store, job, on, nan_from_steps=True) as wd_on, _watchdog(store, job, off) as wd_off:
+        for wd in (wd_on, wd_off):
+            wd.watch(1, NODES)
+        feed = Feed(store, Both(wd_on, wd_off))  # type: ignore[arg-type]
+        for step in range(1, 5):
+            feed.send([step_ev(job, r, step) for r in WORLD])
+        # rank 3 (node-1) reports a non-finite loss first, then every rank does (infinities:
+        # SQLite stores a NaN as NULL, which the steps table refuses)
+        feed.send([step_ev(job, r, 5, loss=float("inf") if r == 3 else 2.0) for r in WORLD])
+        feed.send([step_ev(job, r, 6, loss=float("-inf")) for r in WORLD])
+        (inc,) = on.wait(1, timeout_s=5.0)
+        assert inc == Incident("nan", "nan", 3, "node-1", "rank 3 on node-1 reported a non-finite loss (inf) at step 5")
+        assert on.wait(2, timeout_s=0.5) == [inc]  # once per attempt
+        assert off.wait(1, timeout_s=0.2) == []    # the built-in trainer's path: it raises itself
 
 
 # -- (b) healthy ------------------------------------------------------------------------------

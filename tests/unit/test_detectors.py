@@ -260,6 +260,43 @@ def test_startup_timeout() -> None:
                            "300 s); the flight recorder named no culprit (empty)")
 
 
+def test_collective_hang_threshold_is_a_multiple_of_the_largest_gap_with_a_floor() -> None:
+    from fleet.controlplane.detectors import collective_hang_threshold_s
+
+    # a DDP step: many bucket all-reduces milliseconds apart, then one long compute gap
+    ddp = [0.004] * 40 + [0.8] + [0.004] * 40
+    assert collective_hang_threshold_s(ddp, 3.0, 1.0) == pytest.approx(2.4)  # not the median's floor
+    assert collective_hang_threshold_s([0.1, 0.2, 0.3], 3.0, 1.0) == 1.0     # the floor
+    assert collective_hang_threshold_s([], 3.0, 1.0) == 1.0
+    assert collective_hang_threshold_s(iter([float("nan"), float("inf"), -1.0, 2.0]), 3.0, 1.0) == 6.0
+
+
+def test_a_collective_stall_says_where_its_threshold_came_from() -> None:
+    from fleet.controlplane.detectors import collective_stall_reason, decide_hang
+
+    why = collective_stall_reason(4.1, 3.0, 1.0, 3.0)
+    assert why == ("no collective entered or completed for 4.1 s, threshold 3.0 s from the job's collective "
+                   "cadence (largest recent gap 1.0 s x hang_factor 3)")
+    assert collective_stall_reason(1.4, 1.0, 0.1, 3.0) == (
+        "no collective entered or completed for 1.4 s, threshold 1.0 s from hang_floor_s (the job's collective "
+        "cadence gives 0.3 s: largest recent gap 0.1 s x hang_factor 3)")
+    inc = decide_hang(4.1, 3.0, 10.0, "hang", [1], HANG_SUMMARY, PROGRESS, NODES4, why)
+    assert inc == Incident("hang", "hang", 1, "node-0", f"{why}; flight recorder: {HANG_SUMMARY}")
+    inc = decide_hang(13.5, 3.0, 10.0, "ok", [], "ok", PROGRESS, NODES4, why)
+    assert inc is not None and inc.evidence.startswith(f"unconfirmed: {why} and the flight recorder named no")
+
+
+def test_a_reported_nonfinite_loss_is_a_nan_incident_of_its_rank() -> None:
+    from fleet.controlplane.detectors import nan_step_incident
+
+    assert nan_step_incident(5, 2, 1.25, NODES4) is None
+    assert nan_step_incident(5, 2, float("nan"), NODES4) == Incident(
+        "nan", "nan", 2, "node-1", "rank 2 on node-1 reported a non-finite loss (nan) at step 5")
+    inc = nan_step_incident(7, 9, float("-inf"), NODES4)  # a rank beyond the known nodes
+    assert inc is not None and (inc.kind, inc.rank, inc.node) == (IncidentKind.NAN, 9, "")
+    assert inc.evidence == "rank 9 on no node reported a non-finite loss (-inf) at step 7"
+
+
 # -- stragglers -------------------------------------------------------------------------------
 
 S = 1_000_000_000  # ns per second
