@@ -16,13 +16,14 @@ and scheduler, whose orders are aimed at its current placement.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from fleet.controlplane import chaos, launch
+from fleet.controlplane import chaos, exits, launch
 from fleet.controlplane.agent_server import AgentRegistry
 from fleet.controlplane.agent_supervisor import AgentSupervisor
 from fleet.controlplane.chaos_fire import ChaosFirer
@@ -33,6 +34,7 @@ from fleet.controlplane.diagnosis import diagnose_attempt
 from fleet.controlplane.errors import UnavailableError
 from fleet.controlplane.job_control import LiveJob
 from fleet.controlplane.lifecycle import AttemptState, JobState, NodeActor
+from fleet.controlplane.logtee import LogTee
 from fleet.controlplane.placement import choose_nodes
 from fleet.controlplane.policy import decide_quarantine
 from fleet.controlplane.recovery import PendingRecovery, finish_recovery, note_processes
@@ -40,16 +42,23 @@ from fleet.controlplane.runtime import Agents, NodeInfo, Pool, Runtime, Workers
 from fleet.controlplane.store import NODE_QUARANTINED, Store
 from fleet.controlplane.watchdog import Watchdog
 from fleet.proto.kinds import IncidentKind
+from fleet.workers.spec import Launch
 
 log = logging.getLogger(__name__)
 
 #: How long to keep collecting rank failures after the first one, so that the rank
 #: whose process died is seen next to the ranks that only lost their peer.
 FAILURE_SETTLE_S = 1.0
+#: The same for a user program: each failure carries when its process exited, so the first
+#: one is known once the failures in flight have arrived.
+PROGRAM_SETTLE_S = 0.25
 POLL_INTERVAL_S = 0.05
 #: How long the ranks of a failed attempt get to leave their collectives by themselves
 #: (they fail fast once a peer is gone) before they are killed.
 TEARDOWN_GRACE_S = 3.0
+#: How long ranks may go on after one exited 0 before creating its process group: they
+#: may be about to exit too (a program that never uses the group); past it they are waiting.
+EARLY_EXIT_GRACE_S = 5.0
 #: Incidents whose culprit rank is killed at once: it may be stuck in a collective.
 _STUCK_CULPRIT = frozenset({IncidentKind.HANG, IncidentKind.DESYNC, IncidentKind.STRAGGLER})
 
@@ -64,7 +73,13 @@ class AttemptRunner:
     def __init__(self, config: ClusterConfig, store: Store, job: LiveJob, *, runtime: Runtime, agents: Agents,
                  registry: AgentRegistry, supervisor: AgentSupervisor, watchdog: Watchdog,
                  incidents: queue.Queue[Incident], checkpoint_dir: str, progress: Callable[[str], None],
-                 timings_s: dict[str, float]) -> None:
+                 timings_s: dict[str, float], environ: Mapping[str, str] | None = None,
+                 on_output: Callable[[str], None] | None = None) -> None:
+        """``environ``: the ``fleet`` command's environment, which a user program's ranks
+        inherit (``job.entrypoint.inherit_env``); ``on_output(line)``: where their output
+        lines go, rank-prefixed, with ``job.entrypoint.tee``."""
+        self._on_output = on_output
+        self._tee: LogTee | None = None
         self.config = config
         self.store = store
         self.job = job
@@ -82,6 +97,10 @@ class AttemptRunner:
         self._pool: Pool | None = None      # processes across attempts
         self._fruitless = 0                 # failed attempts in a row without a step
         self._current_step = 0
+        self._environ = dict(environ or {})
+        self._builtin = config.job.user_program is None
+        self._early_since: float | None = None  # monotonic: a rank exited 0 before its process group
+        self._startup_failure: Incident | None = None  # the last attempt's, if it made no progress
         self.firer = ChaosFirer(job, registry, self, supervisor, store, checkpoint_dir)
         self.scheduler = chaos.Scheduler(self.firer.fire, lambda: self._current_step)
 
@@ -110,12 +129,27 @@ class AttemptRunner:
         if pool is not None:
             pool.close()
 
+    def stop_tee(self) -> None:
+        """Print what is left of the attempt's output and stop copying it (teardown too)."""
+        tee, self._tee = self._tee, None
+        if tee is not None:
+            tee.stop()
+
+    def _start_tee(self, program: Launch | None) -> None:
+        if program is None or not program.tee or self._on_output is None:
+            return
+        self._tee = LogTee(Path(program.log_dir), self._on_output).start()
+
     # -- the attempts --------------------------------------------------------------------
 
     def run(self, nodes: list[NodeInfo], recovery: PendingRecovery | None) -> tuple[JobState, str]:
         """Attempts until the job ends; returns its end state and why."""
         cfg, job = self.config, self.job
-        pool = self._pool = self._runtime.pool(cfg.job.spare_workers_per_node)
+        program = launch.program_launch(cfg, self._environ)
+        # a program restarts every rank: enough warm interpreters per node for a whole group
+        spares = cfg.job.spare_workers_per_node if program is None else \
+            max(cfg.job.spare_workers_per_node, cfg.job.ranks_per_node)
+        pool = self._pool = self._runtime.pool(spares, program)
         first = recovery is None  # a resumed job has had its first attempt
         while True:
             t_place = time.monotonic()
@@ -141,8 +175,11 @@ class AttemptRunner:
             specs = launch.worker_specs(
                 cfg, job_id=job.job_id, attempt=attempt, placement=placement, port=port,
                 checkpoint_dir=self._ckpt_dir, local_addresses=self._agents.local_addresses,
-                master_addr=master_addr)
+                master_addr=master_addr,
+                launch=launch.program_launch(cfg, self._environ, job.job_id, attempt))
             self._watchdog.watch(attempt, [n.name for n in placement])
+            self._early_since = None
+            self._start_tee(specs[0].launch)
             group.run(specs)
             t_run = time.time()
             pool.fill_spares(chosen)  # replacements warm up while this attempt starts
@@ -160,12 +197,16 @@ class AttemptRunner:
 
             outcome = self._watch(group, attempt, recovery)
             recovery = None
+            self.stop_tee()
             if outcome is None:  # every rank finished
                 self._agents.flush(timeout_s=15)
                 final = self.store.last_step(job.job_id, attempt)
                 self.store.set_attempt_final_step(job.job_id, attempt, final)
                 self.store.set_attempt_state(job.job_id, attempt, AttemptState.SUCCEEDED, "all ranks finished")
-                return JobState.SUCCEEDED, f"completed {final} steps"
+                if cfg.job.user_program is None:
+                    return JobState.SUCCEEDED, f"completed {final} steps"
+                return JobState.SUCCEEDED, "every rank's program exited with code 0" + \
+                    (f" (last step reported: {final})" if final else "")
             if outcome == "stop":
                 group.kill()
                 self._agents.flush(timeout_s=5)
@@ -201,14 +242,20 @@ class AttemptRunner:
         while True:
             failures = group.poll(POLL_INTERVAL_S)
             if failures:
-                settle = time.monotonic() + FAILURE_SETTLE_S
+                settle = time.monotonic() + (FAILURE_SETTLE_S if self._builtin else PROGRAM_SETTLE_S)
                 while not group.finished and time.monotonic() < settle:
                     failures += group.poll(0.05)
-                incident = attribute_failures(failures, [n.name for n in group.placement])
+                nodes = [n.name for n in group.placement]
+                incident = exits.attribute_exits(failures, self._finished(group), nodes) or \
+                    attribute_failures(failures, nodes)
                 log.warning("attempt %d failed: %s", attempt, incident.evidence)
                 return incident
             if group.finished:
                 return None
+            early = self._early_exit(group)
+            if early is not None:
+                log.warning("attempt %d: %s", attempt, early.evidence)
+                return early
             if job.stopping.is_set():
                 return "stop"
             try:
@@ -235,6 +282,25 @@ class AttemptRunner:
                     self._record_recovery(recovery, span)
                     recovery = None
                 self._progress("training")
+
+    @staticmethod
+    def _finished(group: Workers) -> dict[int, bool]:
+        """Ranks whose program exited 0, and whether each had created its process group."""
+        return {r: bool(res.get("reached_pg", True)) for r, res in group.returned().items()}
+
+    def _early_exit(self, group: Workers) -> Incident | None:
+        """A rank that exited 0 before its process group existed, ``EARLY_EXIT_GRACE_S``
+        ago, while others still run (they wait for it in the rendezvous)."""
+        finished = {r: pg for r, pg in self._finished(group).items() if not pg}
+        if not finished:
+            self._early_since = None
+            return None
+        now = time.monotonic()
+        if self._early_since is None:
+            self._early_since = now
+        if now - self._early_since < EARLY_EXIT_GRACE_S:
+            return None
+        return exits.early_exit(finished, group.running(), [n.name for n in group.placement])
 
     def _side_incident(self, incident: Incident, attempt: int, group: Workers) -> Incident | None:
         """Record an incident that does not end the attempt by itself; returns an
@@ -266,15 +332,18 @@ class AttemptRunner:
             group.kill_ranks([incident.rank])
         if kind is IncidentKind.NODE_LOSS and incident.node:
             group.kill_ranks([r for r in group.running() if group.placement[r].name == incident.node])
-        group.wind_down(TEARDOWN_GRACE_S)
+        # a program's survivors hold nothing worth a graceful exit: it resumes from its own checkpoint
+        group.wind_down(TEARDOWN_GRACE_S if self._builtin else 0.0)
         if kind is IncidentKind.ERROR:  # let the traces name the culprit: they must be in the store
             self._agents.flush(timeout_s=5)
             incident = self._attribute_by_trace(incident, attempt)
         incident = self._node_lost(incident, group)
         teardown_s = time.monotonic() - t0
+        incident = self._explain_early_exit(incident, group)
         incident_id = self.store.record_incident(
             job_id, attempt, incident.kind, incident.detector, incident.evidence,
             rank=incident.rank, node=incident.node, detected_at=t_detect,
+            traceback=incident.traceback, exit_code=incident.exit_code,
         )
         self._maybe_quarantine(incident.node, attempt)
         self._pool.release(group.survivors())
@@ -293,9 +362,25 @@ class AttemptRunner:
         # failures in a row without a single step back off; one after progress does not
         self._fruitless = 0 if span is not None else self._fruitless + 1
         decision = decide_restart(self.job.restarts, self.config.job.max_restarts, incident)
+        no_progress = span is None and self.store.last_progress_ns(job_id, attempt, time.time_ns()) is None
+        if no_progress and exits.same_startup_failure(self._startup_failure, incident):
+            decision = RestartDecision(False, f"the program fails the same way at start-up on every attempt "
+                                       f"({self.job.restarts + 1} in a row), so restarting cannot help: "
+                                       f"{incident.evidence}")
+        self._startup_failure = incident if no_progress else None
         recovery = PendingRecovery(incident_id, attempt, failed_at, last_step,
                                    detect_s=max(0.0, t_detect - failed_at), teardown_s=teardown_s)
         return recovery, decision
+
+    @staticmethod
+    def _explain_early_exit(incident: Incident, group: Workers) -> Incident:
+        """A hang blamed on a rank whose program had already exited 0 says so."""
+        done = group.returned()
+        if incident.rank not in done or incident.kind not in _STUCK_CULPRIT:
+            return incident
+        pg = "" if done[incident.rank].get("reached_pg", True) else " before creating its process group"
+        return dataclasses.replace(incident, evidence=f"{incident.evidence} (rank {incident.rank}'s program had "
+                                   f"exited with code 0{pg}: it left while its peers still needed it)")
 
     def _node_lost(self, incident: Incident, group: Workers) -> Incident:
         """A crash that took every rank of a node together with its agent is a node loss."""
@@ -383,6 +468,8 @@ class AttemptRunner:
         nodes = self.job.position()[1]
         refined = attribute_with_trace(incident, diagnosis.verdict, diagnosis.culprit_ranks,
                                        diagnosis.summary, nodes)
+        if incident.exit_code is not None and refined.rank == incident.rank:
+            return incident  # the program's own exit says more than "the others waited for it"
         if refined is not incident:
             log.warning("attempt %d: the flight recorder blames rank %d: %s", attempt, refined.rank,
                         diagnosis.summary)

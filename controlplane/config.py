@@ -342,7 +342,8 @@ class JobConfig(create_model("_JobRecipe", __base__=_JobPlacement, **_embedded(T
     spare_workers_per_node: int = Field(
         1, ge=0, le=64,
         description="Warm worker processes (torch imported) kept idle on every node, so a restart replaces a "
-        "dead rank without starting a process.",
+        "dead rank without starting a process. For a job.entrypoint program at least ranks_per_node are kept: "
+        "its restart replaces every rank.",
     )
     capacity_wait_s: float = Field(
         300.0, ge=0, le=86400,

@@ -78,10 +78,13 @@ class Controller:
         on_progress: Callable[[Progress], None] | None = None,
         resume_job: str = "",
         runtime: Runtime | None = None,
+        on_output: Callable[[str], None] | None = None,
     ) -> None:
         """``resume_job``: take over this job, whose controller died (``fleet up --resume``),
         instead of creating one. ``runtime``: how the cluster, agents and workers are
-        built (None: Ray's, ``runtime.ray_runtime``)."""
+        built (None: Ray's, ``runtime.ray_runtime``). ``on_output(line)``: where a user
+        program's rank-prefixed output goes when ``job.entrypoint.tee`` is set."""
+        self._on_output = on_output
         self._resume_job = resume_job
         self.config = config
         self.store = store
@@ -116,18 +119,22 @@ class Controller:
             self._job.job_id, self._job.restarts = self._resume_job, takeover.restarts
             recovery = takeover.recovery
         else:
-            self._job.job_id = self.store.create_job(cfg.name, cfg.job.steps, self._config_json)
+            self._job.job_id = self.store.create_job(
+                cfg.name, cfg.job.steps if cfg.job.user_program is None else 0, self._config_json)
         runtime = self._runtime or ray_runtime()  # Ray only loads here
         cluster = runtime.cluster(cfg.ray)
         agents = runtime.agents()
-        watchdog = Watchdog(self.store, self.job_id, cfg.detect, self._incidents.put)
+        # a program's ranks do not raise on a NaN loss as the built-in trainer's do: the
+        # loss they report through fleet.step is judged instead
+        watchdog = Watchdog(self.store, self.job_id, cfg.detect, self._incidents.put,
+                            nan_from_steps=cfg.job.user_program is not None)
         supervisor = AgentSupervisor(self.store, self.job_id, self._registry, agents,
                                      SupervisionConfig(cfg.controller.heartbeat_timeout_s))
         runner = AttemptRunner(
             cfg, self.store, self._job, runtime=runtime, agents=agents, registry=self._registry,
             supervisor=supervisor, watchdog=watchdog, incidents=self._incidents,
             checkpoint_dir=str((Path(cfg.job.checkpoint_dir) / self.job_id).resolve()),
-            progress=self._progress, timings_s=self.timings_s)
+            progress=self._progress, timings_s=self.timings_s, environ=os.environ, on_output=self._on_output)
         self._control.take_faults(runner.scheduler.submit)
         server: ControllerServer | None = None
         result: RunResult | None = None
@@ -230,6 +237,7 @@ class Controller:
         for what, fn in (
             ("chaos scheduler", runner.scheduler.close),
             ("watchdog", watchdog.close),
+            ("output tee", runner.stop_tee),
             ("workers", runner.kill_workers),
             ("spare workers", runner.close_pool),
             ("agents", agents.close),

@@ -11,14 +11,35 @@ settings.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
 
 from fleet.controlplane.config import ClusterConfig
-from fleet.workers.spec import WorkerSpec
+from fleet.workers.spec import Launch, WorkerSpec
 
 
 class _Node(Protocol):
     name: str
+
+
+def program_launch(config: ClusterConfig, environ: Mapping[str, str], job_id: str = "",
+                   attempt: int = 0) -> Launch | None:
+    """The ``Launch`` of the job's user program (None: the built-in trainer).
+
+    Its base environment is ``environ`` (the ``fleet`` command's) when
+    ``entrypoint.inherit_env`` says so (by default on a local cluster), else empty (the
+    node's own), then ``entrypoint.env``; paths are made absolute here, where the
+    command's working directory is known. Without ``job_id`` it is the launch the warm
+    interpreters are started for (no log folder yet)."""
+    program = config.job.user_program
+    if program is None:
+        return None
+    inherit = program.inherit_env if program.inherit_env is not None else config.ray.address is None
+    env = {**(dict(environ) if inherit else {}), **program.env}
+    workdir = Path(program.workdir or ".").resolve()
+    log_dir = str((Path(config.state_dir) / "logs" / job_id / f"attempt-{attempt}").resolve()) if job_id else ""
+    return Launch(module=program.module or "", script=program.script or "", args=tuple(program.args),
+                  workdir=str(workdir), env=env, log_dir=log_dir, tee=program.tee)
 
 
 def worker_specs(
@@ -31,11 +52,20 @@ def worker_specs(
     checkpoint_dir: str,
     local_addresses: Mapping[str, str],
     master_addr: str,
+    launch: Launch | None = None,
 ) -> list[WorkerSpec]:
     """One WorkerSpec per rank: rank i on ``placement[i]``, reporting to that node's agent
-    (``local_addresses[node.name]``), meeting at ``master_addr:port``."""
+    (``local_addresses[node.name]``), meeting at ``master_addr:port``; running ``launch``
+    (``program_launch``) when the job is a user program. Ranks are numbered node by node,
+    as torchrun does: LOCAL_RANK counts within a node, GROUP_RANK is the node's index."""
     job, agent = config.job, config.agent
     model, train = job.model.args(), job.train_args()
+    nodes = list(dict.fromkeys(n.name for n in placement))
+    local: dict[str, int] = {}
+    places = []
+    for node in placement:
+        places.append((local.get(node.name, 0), nodes.index(node.name)))
+        local[node.name] = local.get(node.name, 0) + 1
     return [
         WorkerSpec(
             job_id=job_id,
@@ -53,6 +83,12 @@ def worker_specs(
             report_interval_s=agent.report_interval_s,
             fr_buffer_entries=job.flight_recorder_entries,
             fr_poll_interval_s=agent.fr_poll_interval_s,
+            launch=launch,
+            local_rank=places[rank][0],
+            local_world_size=local[node.name],
+            group_rank=places[rank][1],
+            group_world_size=len(nodes),
+            max_restarts=job.max_restarts,
         )
         for rank, node in enumerate(placement)
     ]

@@ -26,9 +26,9 @@ import ray  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from fleet.agent.ray_actor import AgentActor  # noqa: E402
-from fleet.workers.failures import NonFiniteLossError  # noqa: E402
+from fleet.workers.failures import NonFiniteLossError, RankExitError  # noqa: E402
 from fleet.workers.ray_actor import WorkerActor  # noqa: E402
-from fleet.workers.spec import WorkerSpec  # noqa: E402
+from fleet.workers.spec import Launch, WorkerSpec  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +210,11 @@ class WorkerPool:
     ranks without a process start; a used spare is replaced in the background.
     """
 
-    def __init__(self, spares_per_node: int) -> None:
+    def __init__(self, spares_per_node: int, warm: Launch | None = None) -> None:
+        """``warm``: a user program's launch, whose interpreter every process starts at once
+        (None: the built-in trainer, imported at once)."""
         self._cls = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(WorkerActor)
+        self._warm = warm
         self._spares_per_node = spares_per_node
         self._spares: dict[str, list[Any]] = {}
         self._survivors: dict[int, tuple[str, Any]] = {}  # rank -> (node name, actor)
@@ -220,7 +223,7 @@ class WorkerPool:
 
     def _new(self, node: NodeInfo) -> Any:
         actor = self._cls.options(scheduling_strategy=_pinned(node)).remote()
-        actor.warm.remote()
+        actor.warm.remote(self._warm)
         return actor
 
     def fill_spares(self, nodes: list[NodeInfo]) -> None:
@@ -238,6 +241,8 @@ class WorkerPool:
         same size: torch keeps per-process state of the rank it ran (device meshes,
         sharding), and a process that ran rank 2 misbehaves as rank 0. Other survivors
         end; spares (processes that never ran a rank) fill the gaps."""
+        if self._warm is not None:
+            return self._acquire_interpreters(placement)
         actors: list[Any] = []
         reused = 0
         survivors, self._survivors = self._survivors, {}
@@ -254,6 +259,27 @@ class WorkerPool:
             actors.append(spares.pop(0) if spares else self._new(node))
         for _, actor in survivors.values():
             ray.kill(actor, no_restart=True)
+        self._in_use = actors
+        self._world = len(placement)
+        return actors, reused
+
+    def _acquire_interpreters(self, placement: list[NodeInfo]) -> tuple[list[Any], int]:
+        """A user program's ranks: any warm process of the node will do (the program's state
+        is its own checkpoint, not the process). Spares first, since they have had time to
+        import torch; then the last attempt's survivors, whose fresh interpreters started
+        when their program ended; both count as reused. Survivors left over stay as spares."""
+        for name, actor in self._survivors.values():
+            self._spares.setdefault(name, []).append(actor)
+        self._survivors = {}
+        actors: list[Any] = []
+        reused = 0
+        for node in placement:
+            idle = self._spares.get(node.name)
+            if idle:
+                actors.append(idle.pop(0))
+                reused += 1
+            else:
+                actors.append(self._new(node))
         self._in_use = actors
         self._world = len(placement)
         return actors, reused
@@ -321,8 +347,7 @@ class WorkerGroup:
                 failures.append(RankFailure(rank, self.placement[rank].name, True, _one_line(exc)))
                 self.results[rank] = {"error": str(exc)}
             except ray.exceptions.RayError as exc:
-                failures.append(RankFailure(rank, self.placement[rank].name, False, _one_line(exc),
-                                            *nonfinite_loss(exc)))
+                failures.append(_raised(rank, self.placement[rank].name, exc))
                 self.results[rank] = {"error": str(exc)}
         return failures
 
@@ -332,6 +357,9 @@ class WorkerGroup:
 
     def running(self) -> list[int]:
         return [r for r in range(len(self.actors)) if r not in self.results]
+
+    def returned(self) -> dict[int, dict]:
+        return {r: res for r, res in self.results.items() if "error" not in res}
 
     def kill_ranks(self, ranks: list[int]) -> None:
         """Kill these ranks' processes (a rank stuck in a collective never returns)."""
@@ -373,6 +401,16 @@ class WorkerGroup:
                 ray.get(ref, timeout=left)
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
                 pass
+
+
+def _raised(rank: int, node: str, exc: BaseException) -> RankFailure:
+    """The failure of a rank whose run raised (its actor lives): a user program's exit
+    (``RankExitError``, with its exit code and traceback) or the built-in trainer's error."""
+    cause = getattr(exc, "cause", exc)
+    if isinstance(cause, RankExitError):
+        return RankFailure(rank, node, False, str(cause), exit_code=cause.exit_code, traceback=cause.traceback,
+                           exited_at=cause.exited_at, reached_pg=cause.reached_pg)
+    return RankFailure(rank, node, False, _one_line(exc), *nonfinite_loss(exc))
 
 
 def nonfinite_loss(exc: BaseException) -> tuple[int, tuple[int, ...]]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from fleet.agent.settings import AgentSettings
     from fleet.controlplane.config import ControllerConfig, RayConfig
-    from fleet.workers.spec import WorkerSpec
+    from fleet.workers.spec import Launch, WorkerSpec
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,9 @@ class Workers(Protocol):
     def running(self) -> list[int]:
         """Ranks whose run has not ended."""
 
+    def returned(self) -> dict[int, dict]:
+        """Ranks whose run returned (a user program: exited 0), with what it returned."""
+
     def kill_ranks(self, ranks: list[int]) -> None:
         """Kill these ranks' processes."""
 
@@ -177,7 +180,7 @@ class Runtime:
 
     cluster: Callable[[RayConfig], Cluster]
     agents: Callable[[], Agents]
-    pool: Callable[[int], Pool]           # spare workers per node
+    pool: Callable[[int, Launch | None], Pool]  # spare workers per node, a user program to warm for
     workers: Callable[[list[NodeInfo], list[Process]], Workers]
 
 

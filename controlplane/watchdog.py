@@ -446,7 +446,7 @@ class Watchdog:
             if waited <= cfg.startup_timeout_s:
                 return None
             return "startup", waited, cfg.hang_floor_s, horizon_ns, {}, None
-        if total_steps is not None and max(w.last_step.values()) >= total_steps:
+        if total_steps and max(w.last_step.values()) >= total_steps:  # 0: a program's, unknown
             return None  # the last step is done: ranks are finishing
         stalled = (horizon_ns - max(w.last_end_ns.values())) / 1e9
         threshold = detectors.hang_threshold_s(w.step_times, cfg.hang_factor, cfg.hang_floor_s)

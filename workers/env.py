@@ -130,7 +130,8 @@ def launch_env(spec: WorkerSpec) -> dict[str, str]:
     if spec.master_addr and is_loopback(spec.master_addr) and "GLOO_SOCKET_IFNAME" not in launch.env:
         env["GLOO_SOCKET_IFNAME"] = "lo"
     if not any(launch.env.get(name) for name in FR_BUFFER_VARS):
-        env.update({name: str(spec.fr_buffer_entries) for name in FR_BUFFER_VARS})
+        # the new name only: torch 2.13 warns in every rank's log when the legacy one is set
+        env[FR_BUFFER_VARS[0]] = str(spec.fr_buffer_entries)
     if "OMP_NUM_THREADS" not in launch.env:
         env["OMP_NUM_THREADS"] = "1"
     return env

@@ -38,3 +38,38 @@ def status_fields(exc: BaseException) -> dict[str, object]:
     if isinstance(exc, NonFiniteLossError):
         return {"nonfinite_step": exc.step, "nonfinite_ranks": exc.ranks}
     return {}
+
+
+class RankExitError(RuntimeError):
+    """A user program's process on one rank ended badly (``workers/launcher.py``).
+
+    ``exit_code``: its exit status, negative when a signal killed it (-9: SIGKILL);
+    ``traceback``: what it left (torch's ``@record`` error file, the launcher's capture of
+    an uncaught exception, or the tail of its output); ``exited_at``: Unix seconds when
+    its launcher saw it end; ``reached_pg``: whether it had created its process group.
+    """
+
+    def __init__(self, rank: int, exit_code: int, traceback: str, exited_at: float, reached_pg: bool) -> None:
+        self.rank = int(rank)
+        self.exit_code = int(exit_code)
+        self.traceback = traceback
+        self.exited_at = float(exited_at)
+        self.reached_pg = bool(reached_pg)
+        super().__init__(f"rank {self.rank} {describe_exit(self.exit_code)}"
+                         + ("" if self.reached_pg else " before creating its process group"))
+
+    def __reduce__(self) -> tuple[type[RankExitError], tuple[int, int, str, float, bool]]:
+        return type(self), (self.rank, self.exit_code, self.traceback, self.exited_at, self.reached_pg)
+
+
+def describe_exit(exit_code: int) -> str:
+    """``exited with code 1`` or ``was killed by signal 9 (SIGKILL)``."""
+    if exit_code >= 0:
+        return f"exited with code {exit_code}"
+    import signal
+
+    try:
+        name = signal.Signals(-exit_code).name
+    except ValueError:
+        name = "unknown signal"
+    return f"was killed by signal {-exit_code} ({name})"

@@ -12,25 +12,42 @@ import os
 import socket
 
 from fleet.workers.rendezvous import listen_on
-from fleet.workers.spec import WorkerSpec
+from fleet.workers.spec import Launch, WorkerSpec
 
 
 class WorkerActor:
-    """One rank's process: reports its pid, finds a rendezvous port, runs training."""
+    """One rank's process: reports its pid, finds a rendezvous port, runs training.
+
+    For fleet's built-in trainer the actor's own process trains (and keeps torch and its
+    in-memory snapshots across attempts). For a user program (``WorkerSpec.launch``) the
+    actor is the rank's launcher: the program runs in a child interpreter
+    (``workers/launcher.py``) started warm, and after each attempt a fresh one is started
+    at once for the next, so every restart finds torch already imported."""
 
     def __init__(self) -> None:
         self._listen: socket.socket | None = None
+        self._process = None  # the warm RankProcess of a user program
 
-    def warm(self) -> bool:
-        """Import torch and the training code now, so that this process can take a rank
-        at once (a warm spare)."""
-        from fleet.workers import train  # noqa: F401
-
+    def warm(self, launch: Launch | None = None) -> bool:
+        """Get ready to take a rank at once (a warm spare): import the built-in trainer
+        (torch with it), or start the interpreter ``launch``'s program will run in."""
+        if launch is None:
+            from fleet.workers import train  # noqa: F401
+        else:
+            self._start_process(launch)
         return True
 
+    def _start_process(self, launch: Launch) -> None:
+        from fleet.workers.launcher import RankProcess
+
+        if self._process is not None:
+            self._process.kill()
+        self._process = RankProcess(launch)
+
     def pid(self) -> int:
-        """Process id of this worker (the agent watches it and kills it on orders)."""
-        return os.getpid()
+        """Process id of this rank: the program's interpreter, or this process for the
+        built-in trainer (the agent watches it and kills it on orders)."""
+        return self._process.pid if self._process is not None else os.getpid()
 
     def free_port(self, host: str = "127.0.0.1") -> int:
         """Open rank 0's rendezvous socket on host (any free port) and return the port.
@@ -43,12 +60,27 @@ class WorkerActor:
         return self._listen.getsockname()[1]
 
     def run(self, spec: WorkerSpec) -> dict:
-        """Train this rank (see ``workers.train.run``); returns its result dict."""
-        from fleet.workers import train  # torch loads here, in the worker process only
-
+        """Run this rank: train it (``workers.train.run``) or run its program
+        (``workers.launcher.run_rank``); returns its result dict."""
         sock, self._listen = self._listen, None
         try:
+            if spec.launch is not None:
+                return self._run_program(spec, sock)
+            from fleet.workers import train  # torch loads here, in the worker process only
+
             return train.run(spec, listen_socket=sock)
         finally:
             if sock is not None:
                 sock.close()
+
+    def _run_program(self, spec: WorkerSpec, sock: socket.socket | None) -> dict:
+        from fleet.workers.launcher import run_rank
+
+        assert spec.launch is not None
+        if self._process is None or not self._process.matches(spec.launch):
+            self._start_process(spec.launch)  # cold: not warmed with this program's environment
+        process = self._process
+        try:
+            return run_rank(spec, process, sock)
+        finally:
+            self._start_process(spec.launch)  # the next attempt's interpreter warms up now

@@ -94,7 +94,8 @@ def run_job(config: ClusterConfig, *, json_out: bool = False, verbose: bool = Fa
             redirect_stdout=False,
             redirect_stderr=False,
         )
-        task = bar.add_task("job", total=config.job.steps, job="(new job)", state="PENDING", attempt=0, msg="")
+        total = config.job.steps if config.job.user_program is None else None  # a program's steps are its own
+        task = bar.add_task("job", total=total, job="(new job)", state="PENDING", attempt=0, msg="")
         say: Callable[[str], None] | None = None  # the real stdout, once fd 1 goes to the log
         announced = not announce
 
@@ -105,8 +106,14 @@ def run_job(config: ClusterConfig, *, json_out: bool = False, verbose: bool = Fa
                 say(p.job_id)
             bar.update(task, completed=p.step, job=p.job_id, state=p.state, attempt=p.attempt, msg=p.message)
 
+        def tee(line: str) -> None:  # a rank's output line (job.entrypoint.tee)
+            if json_out:  # stdout holds nothing but the summary
+                err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+            elif say is not None:
+                say(line)
+
         controller = Controller(config, store, config_json=config.model_dump_json(), on_progress=show,
-                                resume_job=resume)
+                                resume_job=resume, on_output=tee)
         try:
             with _stdout_to(log_path) as terminal, bar:
                 say = _terminal_writer(terminal, bar)
@@ -120,7 +127,7 @@ def run_job(config: ClusterConfig, *, json_out: bool = False, verbose: bool = Fa
             "state": result.state.value,
             "attempts": result.attempts,
             "final_step": result.final_step,
-            "total_steps": config.job.steps,
+            "total_steps": total or 0,
             "reason": result.reason,
             "wall_s": round(time.monotonic() - t0, 3),
             "timings_s": {k: round(v, 3) for k, v in result.timings_s.items()},
@@ -133,7 +140,7 @@ def run_job(config: ClusterConfig, *, json_out: bool = False, verbose: bool = Fa
         colour = "green" if result.state is JobState.SUCCEEDED else "red"
         console.print(
             f"job [bold]{result.job_id}[/] [{colour}]{result.state.value}[/]: {result.reason}; "
-            f"{result.attempts} attempt(s), step {result.final_step}/{config.job.steps}, "
+            f"{result.attempts} attempt(s), step {result.final_step}/{total or '-'}, "
             f"{summary['wall_s']:.1f} s"
         )
         console.print(f"inspect: fleet replay {result.job_id}    logs: {log_path}")

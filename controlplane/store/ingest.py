@@ -33,6 +33,8 @@ Row invariants:
 
 from __future__ import annotations
 
+import math
+
 import functools
 import itertools
 import json
@@ -270,7 +272,10 @@ def _write_collectives(session: Session, rows: list[tuple]) -> None:
 def _step_row(ev: events_pb2.StepEvent) -> dict[str, Any]:
     return {
         "job_id": ev.job_id, "attempt": ev.attempt, "rank": ev.rank, "step": ev.step,
-        "loss": ev.loss, "step_time_s": ev.step_time_s, "tokens_per_s": ev.tokens_per_s,
+        # SQLite keeps no NaN (it stores NULL, which steps.loss refuses): a NaN loss is kept
+        # as +inf, still not finite for every reader; the watchdog saw the NaN itself
+        "loss": ev.loss if not math.isnan(ev.loss) else math.inf,
+        "step_time_s": ev.step_time_s, "tokens_per_s": ev.tokens_per_s,
         "end_ns": ev.end_ns, "grad_norm": ev.grad_norm, "lr": ev.lr, "mfu": ev.mfu,
         "aux_loss": ev.aux_loss,
         "imbalanced": any(x.imbalanced for x in ev.expert_load),

@@ -202,7 +202,7 @@ class _StandInController:
     end = JobState.SUCCEEDED
 
     def __init__(self, config: ClusterConfig, store: Store, *, config_json: str, on_progress: Any,
-                 resume_job: str) -> None:
+                 resume_job: str, on_output: Any) -> None:
         self.config, self.store, self.config_json, self.on_progress = config, store, config_json, on_progress
         self.job_id = ""
 

@@ -112,7 +112,7 @@ class InProcessAgents:
 
 
 class InMemoryPool:
-    def __init__(self, spares_per_node: int) -> None:
+    def __init__(self, spares_per_node: int, warm: object = None) -> None:
         self._pids = itertools.count(10_000)
         self.closed = False
 
@@ -177,6 +177,9 @@ class ScriptedWorkers:
 
     def running(self) -> list[int]:
         return [r for r in range(len(self.placement)) if r not in self.results]
+
+    def returned(self) -> dict[int, dict]:
+        return {r: res for r, res in self.results.items() if isinstance(res, dict) and "error" not in res}
 
     def kill_ranks(self, ranks: list[int]) -> None:
         for r in ranks:
