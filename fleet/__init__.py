@@ -8,9 +8,15 @@ Everything fleet installs lives under this one namespace:
 - ``fleet.workers`` -- one rank's training process and its reliability hooks (``workers/``);
 - ``fleet.proto`` -- the wire contract and its generated stubs (``proto/fleet/proto/``).
 
-The public API for a training script of your own is :func:`record_collectives` (also
-``fleet.workers.flight.record_collectives``): fleet's flight recorder around a plain
-torchrun script. It is loaded on first use, so ``import fleet`` costs nothing.
+The public API for a training script of your own:
+
+- :func:`step` (``fleet.workers.session.step``): ``fleet.step(step, loss=..., tokens=...)``
+  after each training step of a program fleet launched (``job.entrypoint``, ``fleet
+  run``) feeds the step-based detectors and ``fleet report``; a no-op anywhere else;
+- :func:`record_collectives` (``fleet.workers.flight.record_collectives``): fleet's flight
+  recorder around a plain torchrun script fleet did not launch.
+
+Both load on first use, so ``import fleet`` costs nothing.
 """
 
 from __future__ import annotations
@@ -19,11 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fleet.workers.flight import FlightHandle, record_collectives
+    from fleet.workers.session import step
 
-__all__ = ["FlightHandle", "record_collectives"]
+__all__ = ["FlightHandle", "record_collectives", "step"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "step":
+        from fleet.workers import session
+
+        return session.step
     if name in __all__:
         from fleet.workers import flight
 
