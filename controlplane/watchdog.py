@@ -87,6 +87,10 @@ COLLECTIVE_GAPS_PER_RANK = 128
 #: bucket of short gaps: the set-up collectives and the first burst alone do not show
 #: the compute gap, and a threshold learned from them would call it a hang.
 MIN_COLLECTIVE_GAPS_PER_RANK = 8
+#: Each rank's first gaps are not the job's cadence: set-up collectives, then the first
+#: step (lazy initialisation, compilation, the first data) — left out of the window, they
+#: do not inflate the threshold for the next many collectives.
+WARMUP_GAPS_PER_RANK = 4
 #: (group, seq) entries kept per step for the straggler check: without the step API every
 #: collective is "step 0", a step that never ends; the oldest are dropped beyond this.
 ARRIVALS_PER_STEP = 4096
@@ -131,6 +135,7 @@ class _Watched:
     step_times: deque[float]
     losses: deque[float]
     gaps: _RecentMax                          # s between one rank's consecutive collective enters
+    gaps_seen: dict[int, int] = field(default_factory=dict)  # rank -> gaps it had, warm-up included
     last_step: dict[int, int] = field(default_factory=dict)
     last_end_ns: dict[int, int] = field(default_factory=dict)
     last_enter_ns: dict[int, int] = field(default_factory=dict)
@@ -351,7 +356,10 @@ class Watchdog:
             prev = last_enter.get(rank, 0)
             if enter > prev:
                 if prev:
-                    gaps.push((enter - prev) / 1e9)
+                    seen = w.gaps_seen.get(rank, 0)
+                    w.gaps_seen[rank] = seen + 1
+                    if seen >= WARMUP_GAPS_PER_RANK:
+                        gaps.push((enter - prev) / 1e9)
                 last_enter[rank] = enter
             if row.state == "started" and (oldest_started is None or enter < oldest_started):
                 oldest_started = enter

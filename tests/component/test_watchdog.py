@@ -24,7 +24,7 @@ from fleet.controlplane.grpc_server import ControllerServer
 from fleet.controlplane.lifecycle import JobState
 from fleet.controlplane.store import Store
 from fleet.controlplane.store.ingest import prepare
-from fleet.controlplane.watchdog import MIN_COLLECTIVE_GAPS_PER_RANK, VERDICT_STABLE_S, Watchdog
+from fleet.controlplane.watchdog import MIN_COLLECTIVE_GAPS_PER_RANK, VERDICT_STABLE_S, WARMUP_GAPS_PER_RANK, Watchdog
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from tests.component.conftest import TOKEN, StoreJobControl
 
@@ -205,7 +205,7 @@ def test_a_job_without_steps_hangs_from_its_collective_cadence(store: Store, job
         feed = Feed(store, wd)
         feed.send([group_ev(job, r) for r in WORLD])
         # no step API: every collective is "step 0"; one all_gather every 0.4 s
-        rounds = MIN_COLLECTIVE_GAPS_PER_RANK + 2
+        rounds = MIN_COLLECTIVE_GAPS_PER_RANK + WARMUP_GAPS_PER_RANK + 2
         for seq in range(1, rounds + 1):
             t = time.time_ns()
             feed.send([coll_ev(job, r, seq, 0, t + r * MS) for r in WORLD])
