@@ -47,8 +47,24 @@ def _free_port() -> int:
 
 def _steps(out: Path) -> dict[int, list[dict]]:
     """Each rank's step lines, in order."""
-    return {int(f.stem.split("-")[1]): [json.loads(line) for line in f.read_text().splitlines() if line]
+    rows = {int(f.stem.split("-")[1]): [json.loads(line) for line in f.read_text().splitlines() if line]
             for f in sorted(out.glob("rank-*.jsonl"))}
+    return {rank: [r for r in lines if "step" in r] for rank, lines in rows.items()}
+
+
+def _phases(out: Path) -> dict[str, float]:
+    """The restarted run's start-up, from the killed rank's last step: program start,
+    process group joined, checkpoint restored, first step (slowest rank of each)."""
+    lines = [json.loads(line) for f in out.glob("rank-*.jsonl") for line in f.read_text().splitlines() if line]
+    killed_last = max(r["t"] for r in lines if "step" in r and r["restart"] == 0)
+    starts = [r for r in lines if r.get("phase") == "start" and r["restart"] > 0]
+    first = min(r["t"] for r in lines if "step" in r and r["restart"] > 0)
+    if not starts:
+        return {}
+    return {"program_start": round(max(r["t"] for r in starts) - killed_last, 3),
+            "pg_ready": round(max(r["pg"] for r in starts) - killed_last, 3),
+            "restored": round(max(r["restored"] for r in starts) - killed_last, 3),
+            "first_step": round(first - killed_last, 3)}
 
 
 def _median_step_s(steps: dict[int, list[dict]]) -> float:

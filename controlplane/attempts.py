@@ -52,6 +52,9 @@ FAILURE_SETTLE_S = 1.0
 #: The same for a user program: each failure carries when its process exited, so the first
 #: one is known once the failures in flight have arrived.
 PROGRAM_SETTLE_S = 0.25
+#: A program's replacement processes are started once its attempt made progress, or this
+#: long after it started: starting them at once slows the ranks' own start-up.
+SPARES_DELAY_S = 20.0
 POLL_INTERVAL_S = 0.05
 #: How long the ranks of a failed attempt get to leave their collectives by themselves
 #: (they fail fast once a peer is gone) before they are killed.
@@ -182,7 +185,11 @@ class AttemptRunner:
             self._start_tee(specs[0].launch)
             group.run(specs)
             t_run = time.time()
-            pool.fill_spares(chosen)  # replacements warm up while this attempt starts
+            log.info("attempt %d: %d rank(s) started %.2f s after placing began (%d warm process(es) reused)",
+                     attempt, len(placement), time.monotonic() - t_place, reused)
+            spares_due = time.monotonic() + (0.0 if self._builtin else SPARES_DELAY_S)
+            if self._builtin:
+                pool.fill_spares(chosen)  # replacements warm up while this attempt starts
             self.store.set_attempt_state(job.job_id, attempt, AttemptState.RUNNING, "worker group running")
             self.store.set_job_state(job.job_id, JobState.RUNNING, f"attempt {attempt} running")
             if first:
@@ -195,7 +202,8 @@ class AttemptRunner:
                 recovery.place_s += time.monotonic() - t_place
                 self.firer.rearm(recovery.last_step)
 
-            outcome = self._watch(group, attempt, recovery)
+            outcome = self._watch(group, attempt, recovery,
+                                  (lambda: pool.fill_spares(chosen)) if not self._builtin else None, spares_due)
             recovery = None
             self.stop_tee()
             if outcome is None:  # every rank finished
@@ -233,10 +241,13 @@ class AttemptRunner:
         """Rendezvous host: rank 0's node (always loopback for the local cluster)."""
         return "127.0.0.1" if self.config.ray.address is None else placement[0].address
 
-    def _watch(self, group: Workers, attempt: int, recovery: PendingRecovery | None) -> Incident | str | None:
+    def _watch(self, group: Workers, attempt: int, recovery: PendingRecovery | None,
+               fill_spares: Callable[[], None] | None = None, spares_due: float = 0.0) -> Incident | str | None:
         """Block until the attempt ends: None = success, "stop", or the Incident that
         ends it. Meanwhile: act on incidents that do not end it (agent loss, straggler,
-        loss spike), finish timing a recovery once its first step lands, show progress."""
+        loss spike), finish timing a recovery once its first step lands, show progress,
+        and ``fill_spares()`` once the attempt made progress or ``spares_due`` (monotonic)
+        passed: new processes starting would compete with its ranks' start for the CPU."""
         job = self.job
         next_tick = next_note = 0.0
         while True:
@@ -278,6 +289,10 @@ class AttemptRunner:
                     note_processes(self._state_dir)
                 span = self.store.step_span(job.job_id, attempt)
                 self._current_step = span[1] if span else self._current_step
+                if fill_spares is not None and (now >= spares_due or span is not None or self.store.last_progress_ns(
+                        job.job_id, attempt, time.time_ns()) is not None):
+                    fill_spares()
+                    fill_spares = None
                 if recovery is not None and span is not None:
                     self._record_recovery(recovery, span)
                     recovery = None
@@ -339,6 +354,7 @@ class AttemptRunner:
             incident = self._attribute_by_trace(incident, attempt)
         incident = self._node_lost(incident, group)
         teardown_s = time.monotonic() - t0
+        log.info("attempt %d: torn down in %.2f s", attempt, teardown_s)
         incident = self._explain_early_exit(incident, group)
         incident_id = self.store.record_incident(
             job_id, attempt, incident.kind, incident.detector, incident.evidence,
@@ -359,10 +375,11 @@ class AttemptRunner:
         failed_at = span[2] / 1e9 if span else t_detect
         self.store.set_attempt_final_step(job_id, attempt, last_step)
         self.store.set_attempt_state(job_id, attempt, AttemptState.FAILED, incident.evidence)
-        # failures in a row without a single step back off; one after progress does not
-        self._fruitless = 0 if span is not None else self._fruitless + 1
-        decision = decide_restart(self.job.restarts, self.config.job.max_restarts, incident)
+        # failures in a row without progress (a step; for a program without the step API, a
+        # collective) back off; one after progress does not
         no_progress = span is None and self.store.last_progress_ns(job_id, attempt, time.time_ns()) is None
+        self._fruitless = self._fruitless + 1 if no_progress else 0
+        decision = decide_restart(self.job.restarts, self.config.job.max_restarts, incident)
         if no_progress and exits.same_startup_failure(self._startup_failure, incident):
             decision = RestartDecision(False, f"the program fails the same way at start-up on every attempt "
                                        f"({self.job.restarts + 1} in a row), so restarting cannot help: "

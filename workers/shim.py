@@ -22,7 +22,8 @@ message: the rank's environment, working directory, log file and program. The sh
      uncaught exception, whose traceback is printed to the log as Python would and sent
      to the launcher).
 
-It dies with its launcher (``PR_SET_PDEATHSIG``): a rank never outlives the process
+torch is imported at a lower CPU priority (``_import_in_background``), so warming
+spares never slows a training rank. It dies with its launcher (``PR_SET_PDEATHSIG``): a rank never outlives the process
 fleet tracks it by. Imports nothing of the controller.
 """
 
@@ -30,12 +31,14 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import importlib
 import json
 import os
 import runpy
 import signal
 import socket
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -44,6 +47,11 @@ MAX_MESSAGE = 4 * 1024 * 1024
 #: Longest rank 0 keeps the rendezvous store up after its program ended, for the others.
 STORE_LINGER_S = 30.0
 _EXITED_KEY = "fleet/exited"
+#: What a warm interpreter imports before it is needed (each ~0.1-1 s on first use).
+WARM_MODULES = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "torch.utils.data",
+                "torch.distributed.checkpoint", "torch.distributed.fsdp")
+#: Nice value of the thread that imports them.
+WARM_NICE = 10
 _PR_SET_PDEATHSIG = 1
 
 
@@ -144,11 +152,36 @@ def _run_program(launch: dict[str, Any]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
+def _import_in_background() -> None:
+    """Import torch and what training programs load lazily (``WARM_MODULES``: the first
+    optimizer alone pulls in ``torch._dynamo``, about a second) at a lower CPU priority.
+
+    The imports run on a helper thread niced to ``WARM_NICE``: Linux gives each thread its
+    own nice value, so warm spares importing torch yield the CPU to ranks that are busy
+    (a restart warms the next spares while the new attempt starts), and the main thread,
+    which runs the program, keeps the priority it was started with. Not the lowest
+    priority: on a node whose CPUs training saturates, a spare must still get warm."""
+    def work() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_NICE)
+        except (OSError, AttributeError):  # not Linux: same priority, same result
+            pass
+        for name in WARM_MODULES:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # an optional part this torch build lacks
+                pass
+
+    helper = threading.Thread(target=work, name="fleet-warm-import")
+    helper.start()
+    helper.join()
+
+
 def main(argv: list[str]) -> int:
     _die_with_parent()
     control = socket.socket(fileno=int(argv[0]))
-    import torch  # noqa: F401 - the point of a warm interpreter
-    import torch.distributed  # noqa: F401
+    _import_in_background()
+    import torch
 
     from fleet.proto import events_pb2
     from fleet.workers.session import Session

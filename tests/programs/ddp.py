@@ -5,7 +5,9 @@
 It trains a small MLP on gloo, checkpoints every ``--ckpt-every`` steps (rank 0 writes,
 atomically) and resumes from the newest checkpoint when it starts again. Every rank
 appends one JSON line per completed step to ``<out>/rank-<r>.jsonl`` (step, wall time,
-restart count), which is how the tests and the benchmark see progress from outside.
+restart count), after one line per run with the times it started, joined the process
+group, restored and wrapped the model (``"phase": "start"``): that is how the tests and
+the benchmark see progress from outside.
 
 Faults, for the first run only (``TORCHELASTIC_RESTART_COUNT`` 0) and one rank
 (``--fault-rank``): ``--kill-at S`` sends itself SIGKILL at step S, ``--hang-at S``
@@ -47,6 +49,7 @@ def main() -> None:
     p.add_argument("--pg-timeout-s", type=float, default=1800.0)
     args = p.parse_args()
 
+    t_start = time.time()
     rank = int(os.environ["RANK"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     faulty = rank == args.fault_rank and restart == 0
@@ -56,6 +59,7 @@ def main() -> None:
         print(f"rank {rank}: leaving before init_process_group", flush=True)
         return
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout_s))
+    t_pg = time.time()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, args.width), torch.nn.ReLU(),
                                 torch.nn.Linear(args.width, args.width), torch.nn.ReLU(),
@@ -68,11 +72,14 @@ def main() -> None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = int(state["step"])
+    t_restored = time.time()
     ddp = DistributedDataParallel(model)
     out = None
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         out = open(Path(args.out) / f"rank-{rank}.jsonl", "a", buffering=1)
+        out.write(json.dumps({"phase": "start", "t": t_start, "pg": t_pg, "restored": t_restored,
+                              "ddp": time.time(), "restart": restart}) + "\n")
     gen = torch.Generator().manual_seed(1000 + rank)
     for step in range(start + 1, args.steps + 1):
         if faulty and step == args.kill_at:
