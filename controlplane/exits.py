@@ -11,6 +11,7 @@ behind it: ``detectors.attribute_with_trace``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from fleet.controlplane.detectors import Incident, ObservedFailure
@@ -76,8 +77,14 @@ def early_exit(finished: Mapping[int, bool], running: Sequence[int], nodes: Sequ
 
 def same_startup_failure(previous: Incident | None, current: Incident) -> bool:
     """Whether two attempts that both failed before any progress failed the same way: the
-    same kind, exit code and exception line (on any rank: which rank fails first varies)."""
+    same kind, exit code and exception line, numbers aside (on any rank: which rank fails
+    first varies, and messages often name it)."""
     if previous is None or current.exit_code is None:
         return False
-    return (previous.kind, previous.exit_code, last_line(previous.traceback)) == \
-        (current.kind, current.exit_code, last_line(current.traceback))
+    return (previous.kind, previous.exit_code, _shape(last_line(previous.traceback))) == \
+        (current.kind, current.exit_code, _shape(last_line(current.traceback)))
+
+
+def _shape(line: str) -> str:
+    """An exception line with its numbers left out: "... on rank 3" fails like "... on rank 0"."""
+    return re.sub(r"\d+", "#", line)

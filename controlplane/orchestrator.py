@@ -21,6 +21,10 @@ from fleet.controlplane.runtime import NodeInfo, RankFailure
 
 # Ray resolves its node address to loopback only with this set (read at import time).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Raylets start worker processes at nice 15 by default; here the workers are the
+# training ranks, which must not yield the CPU to everything else on the node (read by
+# the raylets of a local cluster, which inherit this environment).
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import ray  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402

@@ -79,6 +79,7 @@ class Session:
             self.reporter.add_source(self.tail.poll, self.tail.probe_interval_s)
         self._on_pg_ready = on_pg_ready
         self._pg_ready = False
+        self._pg_lock = threading.Lock()
         self.reporter.add_source(self._watch_pg, 0.1)
         self._last_step_ns: int | None = None
         self._last_step = 0
@@ -104,9 +105,15 @@ class Session:
         if self._pg_ready:
             return
         dist = sys.modules.get("torch.distributed")
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return
-        self._pg_ready = True
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            self.pg_ready()
+
+    def pg_ready(self) -> None:
+        """The default process group exists (once; from any thread)."""
+        with self._pg_lock:
+            if self._pg_ready:
+                return
+            self._pg_ready = True
         self.status(Status.PG_READY)
         if callable(self._on_pg_ready):
             self._on_pg_ready()

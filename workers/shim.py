@@ -131,6 +131,25 @@ def _leave_rendezvous(store: Any, launch: dict[str, Any]) -> None:
         return
 
 
+def _tell_when_grouped(session: Any) -> None:
+    """Report the default process group the moment ``init_process_group`` returns (the
+    session's own check runs every 0.1 s, too late for a rank killed right after)."""
+    import functools
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        session.pg_ready()
+        return result
+
+    dist.init_process_group = distributed_c10d.init_process_group = init_process_group
+
+
 def _program_traceback(exc: BaseException) -> str:
     """The traceback of an exception the program raised, without the shim's own frames."""
     tb = exc.__traceback__
@@ -145,11 +164,10 @@ def _run_program(launch: dict[str, Any]) -> None:
         sys.argv = [launch["module"], *launch["args"]]
         sys.path[0] = workdir  # as `python -m` puts the current directory first
         runpy.run_module(launch["module"], run_name="__main__", alter_sys=True)
-    else:
-        script = os.path.join(workdir, launch["script"])
+    else:  # the working directory is workdir: the path runs as given, as `python script` would
         sys.argv = [launch["script"], *launch["args"]]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script` does
-        runpy.run_path(script, run_name="__main__")
+        sys.path[0] = os.path.dirname(os.path.abspath(launch["script"]))
+        runpy.run_path(launch["script"], run_name="__main__")
 
 
 def _import_in_background() -> None:
@@ -198,6 +216,7 @@ def main(argv: list[str]) -> int:
     store = _serve_store(listen_fd, launch) if listen_fd is not None else None
     spec = WorkerSpec(**launch["spec"])
     session = Session(spec, on_pg_ready=lambda: send(control, "pg")).install()
+    _tell_when_grouped(session)
     session.status(events_pb2.WorkerStatus.STARTING)
     code, detail = 0, ""
     try:

@@ -138,10 +138,11 @@ def run_job(config: ClusterConfig, *, json_out: bool = False, verbose: bool = Fa
         print_json(summary)
     else:
         colour = "green" if result.state is JobState.SUCCEEDED else "red"
+        steps = f"step {result.final_step}/{total}, " if total else \
+            f"last step reported {result.final_step}, " if result.final_step else ""
         console.print(
             f"job [bold]{result.job_id}[/] [{colour}]{result.state.value}[/]: {result.reason}; "
-            f"{result.attempts} attempt(s), step {result.final_step}/{total or '-'}, "
-            f"{summary['wall_s']:.1f} s"
+            f"{result.attempts} attempt(s), {steps}{summary['wall_s']:.1f} s"
         )
         console.print(f"inspect: fleet replay {result.job_id}    logs: {log_path}")
     if result.state is JobState.FAILED:
