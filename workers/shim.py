@@ -51,7 +51,7 @@ _EXITED_KEY = "fleet/exited"
 WARM_MODULES = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "torch.utils.data",
                 "torch.distributed.checkpoint", "torch.distributed.fsdp")
 #: Nice value of the thread that imports them.
-WARM_NICE = 10
+WARM_NICE = 19
 _PR_SET_PDEATHSIG = 1
 
 
@@ -177,8 +177,10 @@ def _import_in_background() -> None:
     The imports run on a helper thread niced to ``WARM_NICE``: Linux gives each thread its
     own nice value, so warm spares importing torch yield the CPU to ranks that are busy
     (a restart warms the next spares while the new attempt starts), and the main thread,
-    which runs the program, keeps the priority it was started with. Not the lowest
-    priority: on a node whose CPUs training saturates, a spare must still get warm."""
+    which runs the program, keeps the priority it was started with. At the lowest
+    priority a spare warms on the CPU time training leaves idle (collectives' waits, data
+    loading); on a node with none it finishes once a failure stops the training, which
+    is still before a cold interpreter would have imported torch."""
     def work() -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_NICE)

@@ -244,3 +244,39 @@ def test_a_missing_script_is_one_line_and_starts_nothing(tmp_path: Path) -> None
     assert not started, started
     # nothing was started: no Ray session, no store, no logs
     assert not (tmp_path / ".fleet").exists()
+
+
+def test_the_step_api_feeds_fault_injection_nan_detection_report_and_replay(tmp_path: Path) -> None:
+    # attempt 1: a crash scheduled at step 25 (aimed by fleet.step); attempt 2: rank 1 reports
+    # a NaN loss at step 35; attempt 3 finishes
+    cluster = write_cluster(tmp_path, str(PROGRAMS / "stepapi.py"),
+                            ["--steps", "50", "--ckpt", str(tmp_path / "ckpt"), "--nan-at", "35",
+                             "--nan-attempt", "2"], ranks_per_node=1, max_restarts=3)
+    cfg = yaml.safe_load(cluster.read_text())
+    cfg["chaos"] = {"faults": [{"kind": "crash", "rank": 0, "at_step": 25}]}
+    cluster.write_text(yaml.safe_dump(cfg))
+    run = FleetUp(tmp_path, cluster)
+    summary = run.finish()
+    run.assert_tree_gone()
+
+    assert (summary["state"], summary["attempts"]) == ("SUCCEEDED", 3), summary
+    job_id = summary["job_id"]
+    with store_of(tmp_path) as store:
+        incidents = [(i.attempt, i.kind, i.rank, i.node) for i in store.incidents(job_id)]
+        assert incidents == [(1, IncidentKind.CRASH, 0, "node-0"), (2, IncidentKind.NAN, 1, "node-1")], incidents
+        first = store.steps(job_id, attempt=1, rank=0)
+        assert first and max(s.step for s in first) == 24  # the crash fired at the top of step 25
+        assert max(s.step for s in store.steps(job_id, attempt=3, rank=1)) == 50
+        assert min(s.step for s in store.steps(job_id, attempt=3, rank=1)) == 31  # its checkpoint at 30
+        assert all(s.tokens_per_s > 0 for s in store.steps(job_id, attempt=3, rank=1)[1:])
+    out = report(tmp_path, job_id)
+    assert out["ettr"] is not None and 0 < out["ettr"] <= 1
+    nan = out["incidents"][1]
+    assert nan["detected_after_s"] is not None and nan["detected_after_s"] < 10
+
+    replay = subprocess.run([*FLEET, "replay", job_id, "--attempt", "3", "--json"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert replay.returncode == 0, replay.stderr
+    view = json.loads(replay.stdout)
+    assert view["verdict"] == "ok" and sorted(view["ranks"]) == [0, 1]
+    assert any(g for g in view["groups"]), view["groups"]  # the program's collectives were traced
