@@ -247,11 +247,12 @@ def test_a_missing_script_is_one_line_and_starts_nothing(tmp_path: Path) -> None
 
 
 def test_the_step_api_feeds_fault_injection_nan_detection_report_and_replay(tmp_path: Path) -> None:
-    # attempt 1: a crash scheduled at step 25 (aimed by fleet.step); attempt 2: rank 1 reports
-    # a NaN loss at step 35; attempt 3 finishes
+    # attempt 1: a crash scheduled at step 25 (aimed by fleet.step); attempt 2 (restored from
+    # step 20): rank 1 reports a NaN loss at step 22, with ~2 s of steps left to notice it;
+    # attempt 3 (from step 20 again) finishes
     cluster = write_cluster(tmp_path, str(PROGRAMS / "stepapi.py"),
-                            ["--steps", "50", "--ckpt", str(tmp_path / "ckpt"), "--nan-at", "35",
-                             "--nan-attempt", "2"], ranks_per_node=1, max_restarts=3)
+                            ["--steps", "60", "--ckpt", str(tmp_path / "ckpt"), "--nan-at", "22",
+                             "--nan-attempt", "2", "--step-sleep", "0.05"], ranks_per_node=1, max_restarts=3)
     cfg = yaml.safe_load(cluster.read_text())
     cfg["chaos"] = {"faults": [{"kind": "crash", "rank": 0, "at_step": 25}]}
     cluster.write_text(yaml.safe_dump(cfg))
@@ -264,10 +265,14 @@ def test_the_step_api_feeds_fault_injection_nan_detection_report_and_replay(tmp_
     with store_of(tmp_path) as store:
         incidents = [(i.attempt, i.kind, i.rank, i.node) for i in store.incidents(job_id)]
         assert incidents == [(1, IncidentKind.CRASH, 0, "node-0"), (2, IncidentKind.NAN, 1, "node-1")], incidents
-        first = store.steps(job_id, attempt=1, rank=0)
-        assert first and max(s.step for s in first) == 24  # the crash fired at the top of step 25
-        assert max(s.step for s in store.steps(job_id, attempt=3, rank=1)) == 50
-        assert min(s.step for s in store.steps(job_id, attempt=3, rank=1)) == 31  # its checkpoint at 30
+        # rank 0 crashed at the top of step 25 (inside fleet.step(24)); rank 1, which
+        # survived it, reported up to step 24 (the killed rank's unsent reports die with it)
+        first = store.steps(job_id, attempt=1, rank=1)
+        assert first and max(s.step for s in first) == 24
+        assert max(s.step for s in store.steps(job_id, attempt=3, rank=1)) == 60
+        # from the program's own newest checkpoint: 20, or 30 if it saved that before the
+        # NaN incident ended attempt 2 (the program does not stop on a NaN itself)
+        assert min(s.step for s in store.steps(job_id, attempt=3, rank=1)) in (21, 31)
         assert all(s.tokens_per_s > 0 for s in store.steps(job_id, attempt=3, rank=1)[1:])
     out = report(tmp_path, job_id)
     assert out["ettr"] is not None and 0 < out["ettr"] <= 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ def main() -> None:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--nan-at", type=int, default=0)
     p.add_argument("--nan-attempt", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step also takes")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -46,6 +48,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        time.sleep(args.step_sleep)
         value = math.nan if poisoned and step == args.nan_at else loss.item()
         fleet.step(step, loss=value, tokens=x.numel())
         if rank == 0 and step % 10 == 0:
