@@ -75,3 +75,10 @@ def print_traceback(text: str, lines: int = TRACEBACK_LINES, indent: str = "    
         console.print(f"{indent}...", highlight=False, markup=False)
     for line in all_lines[-lines:]:
         console.print(f"{indent}{line}", highlight=False, markup=False, soft_wrap=True)
+
+
+def step_text(done: int, total: int) -> str:
+    """``step 120/300``; for a program of yours (no total): ``step 120``, or "" before any step."""
+    if total:
+        return f"step {done}/{total}, "
+    return f"step {done}, " if done else ""

@@ -17,6 +17,7 @@ from fleet.controlplane.cli.render import (
     print_json,
     print_table,
     print_traceback,
+    step_text,
 )
 from fleet.controlplane.errors import ConfigError, NotFoundError
 
@@ -183,8 +184,8 @@ def _short(ranks: list[int]) -> str:
 def _print_job(report: dict[str, Any], last_steps: int) -> None:
     job = report["job"]
     console.print(
-        f"[bold]{job['id']}[/] {job['name']}: {job['state']}, step {job['steps_completed']}/"
-        f"{job['total_steps']}, {job['attempts']} attempt(s). {job['reason']}"
+        f"[bold]{job['id']}[/] {job['name']}: {job['state']}, "
+        f"{step_text(job['steps_completed'], job['total_steps'])}{job['attempts']} attempt(s). {job['reason']}"
     )
     lost = report["events_lost"]
     if lost:

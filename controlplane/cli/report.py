@@ -15,6 +15,7 @@ from fleet.controlplane.cli.render import (
     print_json,
     print_table,
     print_traceback,
+    step_text,
 )
 
 
@@ -32,9 +33,9 @@ def report(
     if json_out:
         print_json(out)
         return
-    console.print(f"[bold]{out['job']}[/] {out['name']}: {out['state']}, step {out['final_step']}/"
-                  f"{out['total_steps']}, {out['attempts']} attempt(s), {out['restarts']} restart(s)",
-                  highlight=False)
+    console.print(f"[bold]{out['job']}[/] {out['name']}: {out['state']}, "
+                  f"{step_text(out['final_step'], out['total_steps'])}{out['attempts']} attempt(s), "
+                  f"{out['restarts']} restart(s)", highlight=False)
     if out["ettr"] is None:
         console.print(f"ETTR: not measured, the program reported no steps (call fleet.step to count "
                       f"them); its {out['wall_s']:.1f} s of wall time by attempt and incident:",
