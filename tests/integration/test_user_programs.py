@@ -248,11 +248,11 @@ def test_a_missing_script_is_one_line_and_starts_nothing(tmp_path: Path) -> None
 
 def test_the_step_api_feeds_fault_injection_nan_detection_report_and_replay(tmp_path: Path) -> None:
     # attempt 1: a crash scheduled at step 25 (aimed by fleet.step); attempt 2 (restored from
-    # step 20): rank 1 reports a NaN loss at step 22, with ~2 s of steps left to notice it;
+    # step 20): rank 1 reports a NaN loss at step 22, with ~4 s of steps left to notice it;
     # attempt 3 (from step 20 again) finishes
     cluster = write_cluster(tmp_path, str(PROGRAMS / "stepapi.py"),
                             ["--steps", "60", "--ckpt", str(tmp_path / "ckpt"), "--nan-at", "22",
-                             "--nan-attempt", "2", "--step-sleep", "0.05"], ranks_per_node=1, max_restarts=3)
+                             "--nan-attempt", "2", "--step-sleep", "0.1"], ranks_per_node=1, max_restarts=3)
     cfg = yaml.safe_load(cluster.read_text())
     cfg["chaos"] = {"faults": [{"kind": "crash", "rank": 0, "at_step": 25}]}
     cluster.write_text(yaml.safe_dump(cfg))
