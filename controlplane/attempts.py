@@ -16,7 +16,6 @@ and scheduler, whose orders are aimed at its current placement.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import time
@@ -59,9 +58,6 @@ POLL_INTERVAL_S = 0.05
 #: How long the ranks of a failed attempt get to leave their collectives by themselves
 #: (they fail fast once a peer is gone) before they are killed.
 TEARDOWN_GRACE_S = 3.0
-#: How long ranks may go on after one exited 0 before creating its process group: they
-#: may be about to exit too (a program that never uses the group); past it they are waiting.
-EARLY_EXIT_GRACE_S = 5.0
 #: Incidents whose culprit rank is killed at once: it may be stuck in a collective.
 _STUCK_CULPRIT = frozenset({IncidentKind.HANG, IncidentKind.DESYNC, IncidentKind.STRAGGLER})
 
@@ -102,7 +98,7 @@ class AttemptRunner:
         self._current_step = 0
         self._environ = dict(environ or {})
         self._builtin = config.job.user_program is None
-        self._early_since: float | None = None  # monotonic: a rank exited 0 before its process group
+        self._early_exits = exits.EarlyExitWatch()
         self._startup_failure: Incident | None = None  # the last attempt's, if it made no progress
         self.firer = ChaosFirer(job, registry, self, supervisor, store, checkpoint_dir)
         self.scheduler = chaos.Scheduler(self.firer.fire, lambda: self._current_step)
@@ -181,7 +177,7 @@ class AttemptRunner:
                 master_addr=master_addr,
                 launch=launch.program_launch(cfg, self._environ, job.job_id, attempt))
             self._watchdog.watch(attempt, [n.name for n in placement])
-            self._early_since = None
+            self._early_exits.reset()
             self._start_tee(specs[0].launch)
             group.run(specs)
             t_run = time.time()
@@ -257,13 +253,14 @@ class AttemptRunner:
                 while not group.finished and time.monotonic() < settle:
                     failures += group.poll(0.05)
                 nodes = [n.name for n in group.placement]
-                incident = exits.attribute_exits(failures, self._finished(group), nodes) or \
+                incident = exits.attribute_exits(failures, exits.finished_ranks(group.returned()), nodes) or \
                     attribute_failures(failures, nodes)
                 log.warning("attempt %d failed: %s", attempt, incident.evidence)
                 return incident
             if group.finished:
                 return None
-            early = self._early_exit(group)
+            early = self._early_exits.check(exits.finished_ranks(group.returned()), group.running(),
+                                            [n.name for n in group.placement], time.monotonic())
             if early is not None:
                 log.warning("attempt %d: %s", attempt, early.evidence)
                 return early
@@ -297,25 +294,6 @@ class AttemptRunner:
                     self._record_recovery(recovery, span)
                     recovery = None
                 self._progress("training")
-
-    @staticmethod
-    def _finished(group: Workers) -> dict[int, bool]:
-        """Ranks whose program exited 0, and whether each had created its process group."""
-        return {r: bool(res.get("reached_pg", True)) for r, res in group.returned().items()}
-
-    def _early_exit(self, group: Workers) -> Incident | None:
-        """A rank that exited 0 before its process group existed, ``EARLY_EXIT_GRACE_S``
-        ago, while others still run (they wait for it in the rendezvous)."""
-        finished = {r: pg for r, pg in self._finished(group).items() if not pg}
-        if not finished:
-            self._early_since = None
-            return None
-        now = time.monotonic()
-        if self._early_since is None:
-            self._early_since = now
-        if now - self._early_since < EARLY_EXIT_GRACE_S:
-            return None
-        return exits.early_exit(finished, group.running(), [n.name for n in group.placement])
 
     def _side_incident(self, incident: Incident, attempt: int, group: Workers) -> Incident | None:
         """Record an incident that does not end the attempt by itself; returns an
@@ -355,7 +333,8 @@ class AttemptRunner:
         incident = self._node_lost(incident, group)
         teardown_s = time.monotonic() - t0
         log.info("attempt %d: torn down in %.2f s", attempt, teardown_s)
-        incident = self._explain_early_exit(incident, group)
+        if incident.kind in _STUCK_CULPRIT:  # a hang blamed on a rank that had left says so
+            incident = exits.explain_early_exit(incident, exits.finished_ranks(group.returned()))
         incident_id = self.store.record_incident(
             job_id, attempt, incident.kind, incident.detector, incident.evidence,
             rank=incident.rank, node=incident.node, detected_at=t_detect,
@@ -388,16 +367,6 @@ class AttemptRunner:
         recovery = PendingRecovery(incident_id, attempt, failed_at, last_step,
                                    detect_s=max(0.0, t_detect - failed_at), teardown_s=teardown_s)
         return recovery, decision
-
-    @staticmethod
-    def _explain_early_exit(incident: Incident, group: Workers) -> Incident:
-        """A hang blamed on a rank whose program had already exited 0 says so."""
-        done = group.returned()
-        if incident.rank not in done or incident.kind not in _STUCK_CULPRIT:
-            return incident
-        pg = "" if done[incident.rank].get("reached_pg", True) else " before creating its process group"
-        return dataclasses.replace(incident, evidence=f"{incident.evidence} (rank {incident.rank}'s program had "
-                                   f"exited with code 0{pg}: it left while its peers still needed it)")
 
     def _node_lost(self, incident: Incident, group: Workers) -> Incident:
         """A crash that took every rank of a node together with its agent is a node loss."""

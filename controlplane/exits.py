@@ -11,6 +11,7 @@ behind it: ``detectors.attribute_with_trace``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 
@@ -20,6 +21,15 @@ from fleet.workers.failures import describe_exit
 
 #: Exits closer together than this are simultaneous: then a signal death is the cause.
 SIMULTANEOUS_S = 0.005
+#: How long ranks may go on after one exited 0 before creating its process group: they
+#: may be about to exit too (a program that never uses the group); past it they are waiting.
+EARLY_EXIT_GRACE_S = 5.0
+
+
+def finished_ranks(returned: Mapping[int, Mapping[str, object]]) -> dict[int, bool]:
+    """Ranks whose program exited 0 (``Workers.returned()``), and whether each had created
+    its process group (the built-in trainer's ranks always had)."""
+    return {r: bool(res.get("reached_pg", True)) for r, res in returned.items()}
 
 
 def last_line(traceback: str) -> str:
@@ -59,6 +69,38 @@ def attribute_exits(failures: Sequence[ObservedFailure], finished: Mapping[int, 
     kind = IncidentKind.CRASH if culprit.exit_code < 0 else IncidentKind.ERROR
     return Incident(kind, "exit", culprit.rank, node, evidence, traceback=culprit.traceback,
                     exit_code=culprit.exit_code)
+
+
+class EarlyExitWatch:
+    """Calls ``early_exit`` once a rank has been gone, before creating its process group,
+    for ``EARLY_EXIT_GRACE_S`` (``reset`` for each attempt)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None  # monotonic: such a rank was first seen
+
+    def reset(self) -> None:
+        self._since = None
+
+    def check(self, finished: Mapping[int, bool], running: Sequence[int], nodes: Sequence[str],
+              now: float) -> Incident | None:
+        early = {r: pg for r, pg in finished.items() if not pg}
+        if not early:
+            self._since = None
+            return None
+        if self._since is None:
+            self._since = now
+        if now - self._since < EARLY_EXIT_GRACE_S:
+            return None
+        return early_exit(early, running, nodes)
+
+
+def explain_early_exit(incident: Incident, finished: Mapping[int, bool]) -> Incident:
+    """A culprit whose program had already exited 0 (its peers still needed it) says so."""
+    if incident.rank not in finished:
+        return incident
+    pg = "" if finished[incident.rank] else " before creating its process group"
+    return dataclasses.replace(incident, evidence=f"{incident.evidence} (rank {incident.rank}'s program had "
+                               f"exited with code 0{pg}: it left while its peers still needed it)")
 
 
 def early_exit(finished: Mapping[int, bool], running: Sequence[int], nodes: Sequence[str]) -> Incident | None:

@@ -62,14 +62,19 @@ class RankExitError(RuntimeError):
         return type(self), (self.rank, self.exit_code, self.traceback, self.exited_at, self.reached_pg)
 
 
+def signal_name(exit_code: int) -> str | None:
+    """The name of the signal a negative exit code stands for (``SIGKILL`` for -9); None
+    for other codes or an unknown signal."""
+    import signal
+
+    try:
+        return signal.Signals(-exit_code).name if exit_code < 0 else None
+    except ValueError:
+        return None
+
+
 def describe_exit(exit_code: int) -> str:
     """``exited with code 1`` or ``was killed by signal 9 (SIGKILL)``."""
     if exit_code >= 0:
         return f"exited with code {exit_code}"
-    import signal
-
-    try:
-        name = signal.Signals(-exit_code).name
-    except ValueError:
-        name = "unknown signal"
-    return f"was killed by signal {-exit_code} ({name})"
+    return f"was killed by signal {-exit_code} ({signal_name(exit_code) or 'unknown signal'})"

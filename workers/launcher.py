@@ -104,14 +104,13 @@ class RankProcess:
                                 time.time(), False)
         Path(launch.log_dir).mkdir(parents=True, exist_ok=True)
         Path(launch.error_file(spec.rank)).unlink(missing_ok=True)
-        # the shim's session reports with the rank's own spec, minus what it does not need
-        session_spec = dataclasses.replace(spec, launch=None, env={})
         message = {
             "kind": "launch", "env": launch_env(spec), "workdir": launch.workdir or os.getcwd(),
             "module": launch.module, "script": launch.script, "args": list(launch.args),
             "log_path": launch.log_path(spec.rank), "pg_timeout_s": spec.pg_timeout_s,
-            "spec": {f.name: getattr(session_spec, f.name) for f in dataclasses.fields(session_spec)
-                     if f.name not in ("model", "train", "launch")},
+            # the shim's session reports with the rank's own spec, but for what it does not need
+            "spec": {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+                     if f.name not in ("model", "train", "launch", "env")},
         }
         data = (json.dumps(message) + "\n").encode()
         if listen_socket is not None:

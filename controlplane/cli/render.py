@@ -10,6 +10,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fleet.workers.failures import signal_name
+
+
 def _console(stderr: bool = False) -> Console:
     probe = Console(stderr=stderr)
     # piped output (logs, CI, `| less`) would otherwise be squeezed into 80 columns
@@ -55,13 +58,8 @@ def exit_text(code: int | None) -> str:
         return ""
     if code >= 0:
         return f"exit code {code}"
-    import signal
-
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        return f"killed by signal {-code}"
-    return f"killed by signal {-code} ({name})"
+    name = signal_name(code)
+    return f"killed by signal {-code} ({name})" if name else f"killed by signal {-code}"
 
 
 #: How many lines of a traceback the text views show (the end, where the error is).

@@ -65,3 +65,26 @@ def test_a_repeated_start_up_failure_is_recognised_on_any_rank() -> None:
     assert not same_startup_failure(a, other)
     assert not same_startup_failure(None, b)
     assert last_line(TB) == "ValueError: bad batch" and last_line("") == ""
+
+
+def test_the_early_exit_watch_waits_its_grace_then_fires_and_resets() -> None:
+    from fleet.controlplane.exits import EARLY_EXIT_GRACE_S, EarlyExitWatch, finished_ranks
+
+    watch = EarlyExitWatch()
+    finished = finished_ranks({1: {"exit_code": 0, "reached_pg": False}, 0: {"exit_code": 0, "reached_pg": True}})
+    assert finished == {1: False, 0: True}
+    assert watch.check(finished, [2, 3], NODES, now=100.0) is None
+    assert watch.check(finished, [2, 3], NODES, now=100.0 + EARLY_EXIT_GRACE_S - 0.1) is None
+    assert watch.check(finished, [2, 3], NODES, now=100.0 + EARLY_EXIT_GRACE_S).rank == 1
+    watch.reset()
+    assert watch.check(finished, [2, 3], NODES, now=200.0) is None  # a new attempt: the grace again
+
+
+def test_a_culprit_that_had_exited_0_says_so() -> None:
+    from fleet.controlplane.exits import explain_early_exit
+
+    hang = Incident(IncidentKind.HANG, "hang", 2, "node-1", "rank 2 never entered collective 7.")
+    assert explain_early_exit(hang, {0: True}) is hang
+    assert explain_early_exit(hang, {2: False}).evidence.endswith(
+        "(rank 2's program had exited with code 0 before creating its process group: it left while its peers "
+        "still needed it)")
