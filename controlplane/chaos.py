@@ -68,12 +68,23 @@ KIND_HELP: Mapping[str, str] = {
                     "else by the controller); a restart must fall "
                     "back to an older one",
     "controller-crash": "the controller process dies (SIGKILL) and must be restarted",
+    "sdc": "silent data corruption: the rank flips --bit B of one element of its --target (weight, grad, "
+           "optimizer or activation), or multiplies it by 1 + --value-error, once (--persistent: on every "
+           "step from then on); the job needs a copy of that state to compare (ddp, or hsdp on 2+ nodes)",
+    "sdc-gemm": "the node's matrix products come out wrong in one element (a defective core) until its "
+                "agent restarts; its known-answer GEMM test must catch it",
 }
+
+#: What an ``sdc`` fault can corrupt (``FaultOrder.target``; "" = weight).
+SDC_TARGETS = ("weight", "grad", "optimizer", "activation")
+#: The bits of a float32 value an ``sdc`` flip may name (0 = lowest mantissa bit, 31 = sign).
+SDC_BITS = range(32)
 
 #: How ``fleet inject-fault`` names each field of a ``FaultOrder``.
 FLAGS: Mapping[str, str] = {
     "kind": "--kind", "rank": "--rank", "node": "--node", "at_step": "--at-step",
     "after_s": "--after", "duration_s": "--duration", "delay_s": "--delay",
+    "target": "--target", "bit": "--bit", "value_error": "--value-error", "persistent": "--persistent",
 }
 #: How cluster.yaml's ``chaos.faults`` items name them.
 FIELDS: Mapping[str, str] = {name: name for name in FLAGS}
@@ -90,6 +101,10 @@ class FaultOrder:
     after_s: float = 0.0    # or: seconds after the order (0 = at once)
     duration_s: float = 0.0  # hang, slow, agent-down, partition, node-down: how long (0 = indefinitely)
     delay_s: float = 0.0    # slow: extra seconds per step (0 = the worker's default)
+    target: str = ""        # sdc: weight | grad | optimizer | activation ("" = weight)
+    bit: int | None = None  # sdc: flip this bit of one float32 element ...
+    value_error: float = 0.0  # ... or multiply it by 1 + value_error
+    persistent: bool = False  # sdc: on every step from at_step on, not once
 
     def describe(self) -> str:
         """One line for logs and the store, e.g. ``crash on rank 2 at step 30``."""
@@ -100,7 +115,11 @@ class FaultOrder:
         else:
             target = ""
         when = f" at step {self.at_step}" if self.at_step else f" after {self.after_s:g} s" if self.after_s else ""
-        return f"{self.kind}{target}{when}"
+        how = ""
+        if self.kind == FaultKind.SDC:
+            what = f"bit {self.bit}" if self.bit is not None else f"relative error {self.value_error:g}"
+            how = f" ({what} in a {self.target or 'weight'}{', persistent' if self.persistent else ''})"
+        return f"{self.kind}{how}{target}{when}"
 
 
 def check_kind(kind: str, names: Mapping[str, str] = FIELDS) -> str | None:
@@ -151,6 +170,28 @@ def check_order(order: FaultOrder, names: Mapping[str, str] = FIELDS) -> str | N
         return f"{n['duration_s']}: {kind} has no duration (only {', '.join(sorted(DURATION_KINDS))})"
     if order.delay_s > 0 and kind != FaultKind.SLOW:
         return f"{n['delay_s']}: only slow has a per-step delay"
+    return _check_sdc(order, names)
+
+
+def _check_sdc(order: FaultOrder, n: Mapping[str, str]) -> str | None:
+    """The rules of an sdc order's own fields (and that no other kind has them)."""
+    if order.kind != FaultKind.SDC:
+        for name, unset in (("target", ""), ("bit", None), ("value_error", 0.0), ("persistent", False)):
+            if getattr(order, name) != unset:
+                return f"{n[name]}: only sdc takes it (not {order.kind})"
+        return None
+    if order.target not in ("", *SDC_TARGETS):
+        return f"{n['target']}: must be one of {', '.join(SDC_TARGETS)} (got {order.target!r})"
+    if order.bit is not None and order.value_error != 0:
+        return f"{n['bit']} / {n['value_error']}: give one of them, not both"
+    if order.bit is None and order.value_error == 0:
+        return f"{n['bit']} / {n['value_error']}: sdc needs one (a bit to flip, or a relative error)"
+    if order.bit is not None and order.bit not in SDC_BITS:
+        return f"{n['bit']}: must be a float32 bit, 0 (lowest mantissa bit) to 31 (sign) (got {order.bit})"
+    if not math.isfinite(order.value_error):
+        return f"{n['value_error']}: must be a finite number (got {order.value_error:g})"
+    if order.value_error != 0 and not 1e-9 <= abs(order.value_error) <= 1e6:
+        return f"{n['value_error']}: must be between 1e-9 and 1e6 in size (got {order.value_error:g})"
     return None
 
 

@@ -539,6 +539,33 @@ class DetectConfig(_Section):
         return self
 
 
+class SdcConfig(_Section):
+    """Silent-data-corruption checks: fingerprints compared across copies, triggers, node GEMM tests."""
+
+    check_interval: int = Field(
+        10, ge=0, le=1_000_000,
+        description="Every this many steps each rank fingerprints its parameters and optimizer state "
+        "(bitwise) and the copies that must be identical are compared, on the step's own all-reduce "
+        "(0 = off). Needs copies: data_parallel ddp or hsdp on 2+ nodes (fsdp shards everything once).",
+    )
+    trigger_factor: float = Field(
+        10.0, ge=0, le=1e6,
+        description="A gradient norm, loss or update size this many times its running median forces a "
+        "fingerprint check at once, whatever the interval (0 = no triggers).",
+    )
+    gemm_size: int = Field(
+        256, ge=16, le=8192, description="Known-answer GEMM test: size of its square matrices.")
+    gemm_interval_s: float = Field(
+        600.0, ge=0, le=30 * 86400,
+        description="Seconds between known-answer GEMM tests an agent runs while its node has no ranks "
+        "(0 = only on demand, before placement and before release).",
+    )
+    preflight: bool = Field(
+        True, description="Run the known-answer GEMM test on every node before an attempt is placed on "
+        "it; a node that fails is quarantined and not used.",
+    )
+
+
 class ClusterConfig(_Section):
     """Top level of cluster.yaml."""
 
@@ -553,6 +580,9 @@ class ClusterConfig(_Section):
     job: JobConfig = Field(default_factory=JobConfig, description="The training job.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Automatic quarantine.")
     chaos: ChaosConfig = Field(default_factory=ChaosConfig, description="Scheduled fault injection.")
+    sdc: SdcConfig = Field(
+        default_factory=SdcConfig,
+        description="Silent-data-corruption checks (fingerprints, triggers, known-answer GEMM tests).")
     detect: DetectConfig = Field(
         default_factory=DetectConfig, description="Live failure detection (hangs, stragglers, loss spikes, agent loss)."
     )

@@ -32,6 +32,26 @@ class NonFiniteLossError(RuntimeError):
         return type(self), (self.step, self.ranks)
 
 
+class SdcError(RuntimeError):
+    """Silent data corruption that repeats: every rank raises it after the same triage.
+
+    ``step``: the first step whose fingerprints disagreed; ``rank``: the suspect (its
+    copy disagreed with the majority, and again when the step was re-executed);
+    ``verdict``: "persistent" (or "ambiguous": two copies disagree, both reproduce, and no
+    majority decides); ``rollback_step``: the newest step whose state was verified
+    (the next attempt restores at most this step); ``evidence``: the triage in one line.
+    """
+
+    def __init__(self, step: int, rank: int, verdict: str, rollback_step: int, evidence: str) -> None:
+        self.step, self.rank, self.verdict = int(step), int(rank), str(verdict)
+        self.rollback_step, self.evidence = int(rollback_step), str(evidence)
+        super().__init__(f"{self.verdict} silent data corruption at step {self.step} on rank {self.rank}: "
+                         f"{self.evidence}; roll back to step {self.rollback_step}")
+
+    def __reduce__(self) -> tuple[type[SdcError], tuple[int, int, str, int, str]]:
+        return type(self), (self.step, self.rank, self.verdict, self.rollback_step, self.evidence)
+
+
 def status_fields(exc: BaseException) -> dict[str, object]:
     """The ``WorkerStatus`` fields a FAILED report of ``exc`` carries beyond its text
     (none for a failure without structure)."""

@@ -144,8 +144,10 @@ class TrainArgs:
     ep_size: int = Field(
         1, ge=1, description="Expert-parallel ranks: MoE experts are sharded over groups of this many ranks."
     )
-    data_parallel: Literal["fsdp", "ddp"] = Field(
-        "fsdp", description="How dense parameters are data-parallel: FSDP2 fully_shard or DDP."
+    data_parallel: Literal["fsdp", "ddp", "hsdp"] = Field(
+        "fsdp", description="How dense parameters are data-parallel: FSDP2 fully_shard over all ranks, DDP, "
+        "or hsdp (FSDP2 sharded inside a node and replicated across nodes: every shard has a copy on each "
+        "other node, which SDC fingerprints compare)."
     )
     dataset: str = Field(
         "synthetic", min_length=1,
@@ -258,3 +260,11 @@ class WorkerSpec:
     group_rank: int = 0
     group_world_size: int = 1
     max_restarts: int = 0
+    #: silent-data-corruption checks (cluster.yaml ``sdc:``): fingerprint the training state
+    #: and compare the copies every this many steps (0 = off; triggers still force checks)
+    sdc_check_interval: int = 0
+    #: a grad norm, loss or update size this many times its running median forces a check
+    sdc_trigger_factor: float = 10.0
+    #: restore no step newer than this (0 = no limit): after silent data corruption, the
+    #: newest state verified before it
+    restore_at_most: int = 0

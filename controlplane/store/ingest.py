@@ -69,7 +69,7 @@ _RESTORED = events_pb2.WorkerStatus.RESTORED
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 COLLECTIVE_STATES = frozenset({"started", "completed", "failed"})
-SDC_KINDS = frozenset({"param_checksum", "gemm", "replay"})
+SDC_KINDS = frozenset({"fingerprint", "trigger", "replay", "verdict", "gemm"})
 OP_LEN = 64
 STATE_LEN = 16
 

@@ -251,7 +251,7 @@ class SdcCheckRecord:
     rank: int | None  # None for a node-level check
     node: str | None
     step: int
-    kind: str  # "param_checksum" | "gemm" | "replay"
+    kind: str  # "fingerprint" | "trigger" | "replay" | "verdict" | "gemm"
     value: str  # what was measured (hex digest or number as text)
     expected: str  # what it should have been ("" when decided by majority)
     ok: bool

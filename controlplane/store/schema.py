@@ -342,7 +342,7 @@ class SdcCheck(Base):
     rank: Mapped[int | None] = mapped_column(Integer)  # None for a node-level check
     node: Mapped[str | None] = mapped_column(String(NAME_LEN))
     step: Mapped[int] = mapped_column(BigInteger)
-    kind: Mapped[str] = mapped_column(String(32))  # "param_checksum" | "gemm" | "replay"
+    kind: Mapped[str] = mapped_column(String(32))  # "fingerprint" | "trigger" | "replay" | "verdict" | "gemm"
     value: Mapped[str] = mapped_column(String(255))
     expected: Mapped[str] = mapped_column(String(255))
     ok: Mapped[bool] = mapped_column(Boolean)

@@ -334,7 +334,7 @@ def test_node_health(store: Store) -> None:
 
 
 def test_sdc_checks(store: Store, job: str) -> None:
-    a = store.record_sdc_check(job, 1, 20, "param_checksum", "ab12", "ab12", True, rank=1,
+    a = store.record_sdc_check(job, 1, 20, "fingerprint", "ab12", "ab12", True, rank=1,
                                node="n1", time_ns=7)
     b = store.record_sdc_check(job, 1, 10, "gemm", "1.5", "1.0", False, "GPU 3 differs",
                                node="n2")
@@ -342,7 +342,7 @@ def test_sdc_checks(store: Store, job: str) -> None:
     store.record_sdc_check(job, 2, 5, "replay", "cd", "cd", True, rank=0)
     checks = store.sdc_checks(job, attempt=1)
     assert [(c.id, c.step, c.kind, c.ok) for c in checks] == [
-        (b, 10, "gemm", False), (a, 20, "param_checksum", True)]
+        (b, 10, "gemm", False), (a, 20, "fingerprint", True)]
     gemm, param = checks
     assert (gemm.rank, gemm.node, gemm.detail, gemm.value, gemm.expected) == (
         None, "n2", "GPU 3 differs", "1.5", "1.0")

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_every_kind_has_exactly_one_executor_and_a_help_line():
-    assert len(FAULT_KINDS) == len(set(FAULT_KINDS)) == 9
+    assert len(FAULT_KINDS) == len(set(FAULT_KINDS)) == 11
     assert RANK_KINDS | AGENT_KINDS | CONTROLLER_KINDS == set(FAULT_KINDS)
     assert not (RANK_KINDS & AGENT_KINDS or RANK_KINDS & CONTROLLER_KINDS or AGENT_KINDS & CONTROLLER_KINDS)
     assert tuple(chaos.KIND_HELP) == FAULT_KINDS
@@ -81,7 +81,7 @@ def test_valid_orders(order):
     [
         (FaultOrder("meteor", rank=0),
          "--kind: unknown fault kind 'meteor' (choose from crash, hang, slow, nan, node-down, agent-down, "
-         "partition, ckpt-corrupt, controller-crash)"),
+         "partition, ckpt-corrupt, controller-crash, sdc, sdc-gemm)"),
         (FaultOrder("crash"), "--rank / --node: crash needs a rank or a node (every rank on it)"),
         (FaultOrder("nan", rank=1, node="node-0"), "--rank / --node: give one of them, not both"),
         (FaultOrder("agent-down"), "--node: agent-down needs a node (or --rank: that rank's node)"),
@@ -370,7 +370,7 @@ def test_chaos_faults_become_orders_in_file_order():
     [
         ("chaos:\n  faults:\n    - kind: crash\n      rank: 0\n    - kind: meteor\n      rank: 1\n",
          f"{SRC}:5: chaos.faults.1.kind: unknown fault kind 'meteor' (choose from crash, hang, slow, nan, "
-         "node-down, agent-down, partition, ckpt-corrupt, controller-crash)"),
+         "node-down, agent-down, partition, ckpt-corrupt, controller-crash, sdc, sdc-gemm)"),
         ("chaos:\n  faults:\n    - rank: 0\n", f"{SRC}:3: chaos.faults.0.kind: Field required"),
         ("chaos:\n  faults:\n    - kind: crash\n      rank: -1\n",
          f"{SRC}:4: chaos.faults.0.rank: Input should be greater than or equal to 0"),

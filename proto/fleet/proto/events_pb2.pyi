@@ -20,6 +20,8 @@ class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAULT_KIND_PARTITION: _ClassVar[FaultKind]
     FAULT_KIND_CKPT_CORRUPT: _ClassVar[FaultKind]
     FAULT_KIND_CONTROLLER_CRASH: _ClassVar[FaultKind]
+    FAULT_KIND_SDC: _ClassVar[FaultKind]
+    FAULT_KIND_SDC_GEMM: _ClassVar[FaultKind]
 
 class IncidentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +36,7 @@ class IncidentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INCIDENT_KIND_AGENT_LOSS: _ClassVar[IncidentKind]
     INCIDENT_KIND_NODE_LOSS: _ClassVar[IncidentKind]
     INCIDENT_KIND_CONTROLLER_CRASH: _ClassVar[IncidentKind]
+    INCIDENT_KIND_SDC: _ClassVar[IncidentKind]
 FAULT_KIND_UNSPECIFIED: FaultKind
 FAULT_KIND_CRASH: FaultKind
 FAULT_KIND_HANG: FaultKind
@@ -44,6 +47,8 @@ FAULT_KIND_AGENT_DOWN: FaultKind
 FAULT_KIND_PARTITION: FaultKind
 FAULT_KIND_CKPT_CORRUPT: FaultKind
 FAULT_KIND_CONTROLLER_CRASH: FaultKind
+FAULT_KIND_SDC: FaultKind
+FAULT_KIND_SDC_GEMM: FaultKind
 INCIDENT_KIND_UNSPECIFIED: IncidentKind
 INCIDENT_KIND_CRASH: IncidentKind
 INCIDENT_KIND_ERROR: IncidentKind
@@ -55,6 +60,7 @@ INCIDENT_KIND_LOSS_SPIKE: IncidentKind
 INCIDENT_KIND_AGENT_LOSS: IncidentKind
 INCIDENT_KIND_NODE_LOSS: IncidentKind
 INCIDENT_KIND_CONTROLLER_CRASH: IncidentKind
+INCIDENT_KIND_SDC: IncidentKind
 
 class Shape(_message.Message):
     __slots__ = ("dims",)
@@ -309,31 +315,41 @@ class Event(_message.Message):
     def __init__(self, collective: _Optional[_Union[CollectiveEvent, _Mapping]] = ..., step: _Optional[_Union[StepEvent, _Mapping]] = ..., status: _Optional[_Union[WorkerStatus, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointEvent, _Mapping]] = ..., group: _Optional[_Union[ProcessGroupInfo, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., sdc: _Optional[_Union[SdcCheckEvent, _Mapping]] = ...) -> None: ...
 
 class FaultSpec(_message.Message):
-    __slots__ = ("kind", "at_step", "duration_s", "after_s", "delay_s")
+    __slots__ = ("kind", "at_step", "duration_s", "after_s", "delay_s", "target", "bit", "value_error", "persistent")
     KIND_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     AFTER_S_FIELD_NUMBER: _ClassVar[int]
     DELAY_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    BIT_FIELD_NUMBER: _ClassVar[int]
+    VALUE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     kind: FaultKind
     at_step: int
     duration_s: float
     after_s: float
     delay_s: float
-    def __init__(self, kind: _Optional[_Union[FaultKind, str]] = ..., at_step: _Optional[int] = ..., duration_s: _Optional[float] = ..., after_s: _Optional[float] = ..., delay_s: _Optional[float] = ...) -> None: ...
+    target: str
+    bit: int
+    value_error: float
+    persistent: bool
+    def __init__(self, kind: _Optional[_Union[FaultKind, str]] = ..., at_step: _Optional[int] = ..., duration_s: _Optional[float] = ..., after_s: _Optional[float] = ..., delay_s: _Optional[float] = ..., target: _Optional[str] = ..., bit: _Optional[int] = ..., value_error: _Optional[float] = ..., persistent: _Optional[bool] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("command_id", "job_id", "attempt", "rank", "fault", "stop")
+    __slots__ = ("command_id", "job_id", "attempt", "rank", "fault", "stop", "health_check")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_CHECK_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     job_id: str
     attempt: int
     rank: int
     fault: FaultSpec
     stop: bool
-    def __init__(self, command_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., fault: _Optional[_Union[FaultSpec, _Mapping]] = ..., stop: _Optional[bool] = ...) -> None: ...
+    health_check: bool
+    def __init__(self, command_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., fault: _Optional[_Union[FaultSpec, _Mapping]] = ..., stop: _Optional[bool] = ..., health_check: _Optional[bool] = ...) -> None: ...

@@ -46,6 +46,8 @@ class FaultKind(enum.StrEnum):
     PARTITION = "partition"
     CKPT_CORRUPT = "ckpt-corrupt"
     CONTROLLER_CRASH = "controller-crash"
+    SDC = "sdc"
+    SDC_GEMM = "sdc-gemm"
 
     @property
     def carrier(self) -> Carrier:
@@ -84,12 +86,13 @@ _FAULT_CARRIER = {
     FaultKind.CRASH: Carrier.RANK, FaultKind.HANG: Carrier.RANK, FaultKind.SLOW: Carrier.RANK,
     FaultKind.NAN: Carrier.RANK, FaultKind.AGENT_DOWN: Carrier.AGENT, FaultKind.PARTITION: Carrier.AGENT,
     FaultKind.NODE_DOWN: Carrier.CONTROLLER, FaultKind.CKPT_CORRUPT: Carrier.CONTROLLER,
-    FaultKind.CONTROLLER_CRASH: Carrier.CONTROLLER,
+    FaultKind.CONTROLLER_CRASH: Carrier.CONTROLLER, FaultKind.SDC: Carrier.RANK, FaultKind.SDC_GEMM: Carrier.AGENT,
 }
 _FAULT_AIM = {
     FaultKind.CRASH: Aim.RANK, FaultKind.HANG: Aim.RANK, FaultKind.SLOW: Aim.RANK, FaultKind.NAN: Aim.RANK,
     FaultKind.AGENT_DOWN: Aim.NODE, FaultKind.PARTITION: Aim.NODE, FaultKind.NODE_DOWN: Aim.NODE,
-    FaultKind.CKPT_CORRUPT: Aim.JOB, FaultKind.CONTROLLER_CRASH: Aim.JOB,
+    FaultKind.CKPT_CORRUPT: Aim.JOB, FaultKind.CONTROLLER_CRASH: Aim.JOB, FaultKind.SDC: Aim.RANK,
+    FaultKind.SDC_GEMM: Aim.NODE,
 }
 _FAULT_DURATION = frozenset({FaultKind.HANG, FaultKind.SLOW, FaultKind.AGENT_DOWN, FaultKind.PARTITION,
                              FaultKind.NODE_DOWN})
@@ -108,6 +111,7 @@ class IncidentKind(enum.StrEnum):
     AGENT_LOSS = "agent_loss"
     NODE_LOSS = "node_loss"
     CONTROLLER_CRASH = "controller_crash"
+    SDC = "sdc"
 
     @property
     def ends_attempt(self) -> bool:
@@ -135,6 +139,9 @@ class IncidentKind(enum.StrEnum):
 
 _ENDS_ATTEMPT = frozenset({IncidentKind.CRASH, IncidentKind.ERROR, IncidentKind.HANG, IncidentKind.DESYNC,
                            IncidentKind.NAN, IncidentKind.NODE_LOSS, IncidentKind.CONTROLLER_CRASH})
-_HARDWARE_LIKE = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.NODE_LOSS})
-#: a lost node is back (or gone) by itself; crashes and hangs that recur on one node are its fault
+#: sdc: a transient one is handled inside the attempt (rolled back in memory); a persistent
+#: one ends it through the ranks' own failure (workers.failures.SdcError), not the watchdog
+_HARDWARE_LIKE = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.NODE_LOSS, IncidentKind.SDC})
+#: a lost node is back (or gone) by itself; crashes and hangs that recur on one node are its fault.
+#: sdc has its own rule (policy.decide_quarantine): persistent at once, transient on recurrence
 _QUARANTINE_DEFAULT = frozenset({IncidentKind.CRASH, IncidentKind.HANG})
