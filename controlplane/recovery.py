@@ -67,6 +67,7 @@ _CAUSES: dict[FaultKind, tuple[IncidentKind, ...]] = {
     FaultKind.CRASH: (IncidentKind.CRASH, IncidentKind.NODE_LOSS),
     FaultKind.HANG: (IncidentKind.HANG, IncidentKind.DESYNC),
     FaultKind.NAN: (IncidentKind.NAN,),
+    FaultKind.SDC: (IncidentKind.SDC,),
 }
 
 
