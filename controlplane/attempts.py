@@ -8,7 +8,10 @@ loss, straggler, loss spike: record, maybe quarantine) and supervises the agents
 one ends it (a rank failed, a detector fired), the attempt is torn down (only what must
 die is killed), the failure attributed, the restart decided (``decide_restart``) and,
 after a backoff when attempts in a row made no step, the next attempt placed; it
-restores the newest valid checkpoint. Every state change is a store row.
+restores the newest valid checkpoint. After silent data corruption (an SDC incident
+with a rollback step V) the next attempts restore no state newer than V, until one of
+them has trained past the step the corrupted attempt reached (by then every checkpoint
+newer than V is its own). Every state change is a store row.
 
 It also takes nodes away for chaos (``kill_node``: node-down) and owns the chaos firer
 and scheduler, whose orders are aimed at its current placement.
@@ -38,6 +41,7 @@ from fleet.controlplane.placement import choose_nodes
 from fleet.controlplane.policy import decide_quarantine
 from fleet.controlplane.recovery import PendingRecovery, finish_recovery, note_processes
 from fleet.controlplane.runtime import Agents, NodeInfo, Pool, Runtime, Workers
+from fleet.controlplane.sdc import copies_problem
 from fleet.controlplane.store import NODE_QUARANTINED, Store
 from fleet.controlplane.watchdog import Watchdog
 from fleet.proto.kinds import IncidentKind
@@ -100,6 +104,8 @@ class AttemptRunner:
         self._builtin = config.job.user_program is None
         self._early_exits = exits.EarlyExitWatch()
         self._startup_failure: Incident | None = None  # the last attempt's, if it made no progress
+        # after SDC: restore no step newer than this (0 = no ceiling) until an attempt passes the other
+        self._restore_at_most, self._ceiling_until = 0, 0
         self.firer = ChaosFirer(job, registry, self, supervisor, store, checkpoint_dir)
         self.scheduler = chaos.Scheduler(self.firer.fire, lambda: self._current_step)
 
@@ -168,14 +174,16 @@ class AttemptRunner:
             except Exception as exc:
                 group.kill()
                 raise UnavailableError(f"worker group could not be placed: {exc}") from None
-            job.move_to(attempt, [n.name for n in placement])
+            job.move_to(attempt, [n.name for n in placement], no_copies=copies_problem(
+                cfg.job.data_parallel, len(placement), len(chosen), not self._builtin) or "")
             for rank, (node, pid) in enumerate(zip(placement, pids, strict=True)):
                 self.store.record_rank(job.job_id, attempt, rank, node.name, pid)
             specs = launch.worker_specs(
                 cfg, job_id=job.job_id, attempt=attempt, placement=placement, port=port,
                 checkpoint_dir=self._ckpt_dir, local_addresses=self._agents.local_addresses,
                 master_addr=master_addr,
-                launch=launch.program_launch(cfg, self._environ, job.job_id, attempt))
+                launch=launch.program_launch(cfg, self._environ, job.job_id, attempt),
+                restore_at_most=self._restore_at_most)
             self._watchdog.watch(attempt, [n.name for n in placement])
             self._early_exits.reset()
             self._start_tee(specs[0].launch)
@@ -286,6 +294,10 @@ class AttemptRunner:
                     note_processes(self._state_dir)
                 span = self.store.step_span(job.job_id, attempt)
                 self._current_step = span[1] if span else self._current_step
+                if self._restore_at_most and span is not None and span[1] > self._ceiling_until:
+                    log.info("attempt %d trained past step %d: restores are no longer held to step %d",
+                             attempt, self._ceiling_until, self._restore_at_most)
+                    self._restore_at_most = 0
                 if fill_spares is not None and (now >= spares_due or span is not None or self.store.last_progress_ns(
                         job.job_id, attempt, time.time_ns()) is not None):
                     fill_spares()
@@ -304,7 +316,8 @@ class AttemptRunner:
         self._progress(f"{incident.kind} on {incident.node or '?'}: {incident.evidence}")
         if self._maybe_quarantine(incident.node, attempt) and incident.node in {n.name for n in group.placement}:
             return Incident(incident.kind, incident.detector, incident.rank, incident.node,
-                            f"{incident.node} quarantined; moving off it. {incident.evidence}")
+                            f"{incident.node} quarantined; moving off it. {incident.evidence}",
+                            rollback_step=incident.rollback_step)
         return None
 
     def _end_attempt(self, group: Workers, attempt: int,
@@ -354,6 +367,7 @@ class AttemptRunner:
         failed_at = span[2] / 1e9 if span else t_detect
         self.store.set_attempt_final_step(job_id, attempt, last_step)
         self.store.set_attempt_state(job_id, attempt, AttemptState.FAILED, incident.evidence)
+        self._hold_restores(incident, last_step)
         # failures in a row without progress (a step; for a program without the step API, a
         # collective) back off; one after progress does not
         no_progress = span is None and self.store.last_progress_ns(job_id, attempt, time.time_ns()) is None
@@ -367,6 +381,20 @@ class AttemptRunner:
         recovery = PendingRecovery(incident_id, attempt, failed_at, last_step,
                                    detect_s=max(0.0, t_detect - failed_at), teardown_s=teardown_s)
         return recovery, decision
+
+    def _hold_restores(self, incident: Incident, last_step: int) -> None:
+        """After silent data corruption, hold the next attempts' restores to the step
+        verified before it until one trains past ``last_step`` (the corrupted attempt's)."""
+        if incident.kind is not IncidentKind.SDC or incident.rollback_step is None:
+            return
+        if incident.rollback_step <= 0:
+            # WorkerSpec.restore_at_most 0 means "no ceiling": nothing verified to hold to
+            log.warning("attempt's SDC incident has no verified step to roll back to; restores are not held")
+            return
+        held = self._ceiling_until if self._restore_at_most else 0
+        self._restore_at_most = incident.rollback_step
+        self._ceiling_until = max(held, last_step, incident.rollback_step)
+        log.info("next attempts restore at most step %d (verified before the corruption)", incident.rollback_step)
 
     def _node_lost(self, incident: Incident, group: Workers) -> Incident:
         """A crash that took every rank of a node together with its agent is a node loss."""

@@ -10,6 +10,10 @@ A step-timed order handed to workers is *armed* in them: when the attempt fails 
 that step, ``rearm`` hands it to the next attempt's workers, and ``forget_caused``
 drops the one that caused the failure (it fired).
 
+``spec_of`` and ``order_of`` translate between an order and the wire's ``FaultSpec`` (an
+sdc fault's target, bit, relative error and persistence included), in one place for the
+client, the control server and the ranks.
+
 It reaches the rest of the controller only through the narrow Protocols below. No Ray
 and no gRPC here (protobuf messages only).
 """
@@ -73,6 +77,25 @@ class CheckpointBook(Protocol):
                               attempt: int | None = None) -> None: ...
 
 
+def spec_of(order: chaos.FaultOrder) -> events_pb2.FaultSpec:
+    """The wire form of ``order`` (what ranks and agents act on); ``bit`` only when set."""
+    spec = events_pb2.FaultSpec(kind=FaultKind(order.kind).wire, at_step=order.at_step,
+                                duration_s=order.duration_s, after_s=order.after_s, delay_s=order.delay_s,
+                                target=order.target, value_error=order.value_error, persistent=order.persistent)
+    if order.bit is not None:
+        spec.bit = order.bit
+    return spec
+
+
+def order_of(spec: events_pb2.FaultSpec, rank: int = -1, node: str = "") -> chaos.FaultOrder:
+    """The order a ``FaultSpec`` aimed at ``rank`` / ``node`` describes (not validated);
+    ``ConfigError`` naming ``kind`` for an unknown kind number."""
+    return chaos.FaultOrder(
+        kind=chaos.kind_of_wire(spec.kind), rank=rank, node=node, at_step=spec.at_step, after_s=spec.after_s,
+        duration_s=spec.duration_s, delay_s=spec.delay_s, target=spec.target,
+        bit=spec.bit if spec.HasField("bit") else None, value_error=spec.value_error, persistent=spec.persistent)
+
+
 def target(order: chaos.FaultOrder, placement: list[str]) -> tuple[str, list[int]]:
     """The node and ranks ``order`` hits in ``placement`` (node of each rank);
     ``NotFoundError`` when its rank or node is not in it."""
@@ -128,8 +151,8 @@ class ChaosFirer:
         attempt, placement = self._job.position()
         node, ranks = target(order, placement)
         kind = FaultKind(order.kind)
-        spec = events_pb2.FaultSpec(kind=kind.wire, at_step=order.at_step, duration_s=order.duration_s,
-                                    delay_s=order.delay_s)
+        spec = spec_of(order)
+        spec.after_s = 0.0  # due now: the delay was the scheduler's
         log.warning("chaos: firing %s", order.describe())
         if kind.worker_timed and order.at_step > 0:
             with self._lock:  # armed in the workers: a restart before the step must re-arm it

@@ -62,14 +62,17 @@ class ControlClient:
 
     def inject_fault(
         self, job_id: str, kind: str, *, rank: int = -1, node: str = "", at_step: int = 0,
-        duration_s: float = 0.0, after_s: float = 0.0, delay_s: float = 0.0,
+        duration_s: float = 0.0, after_s: float = 0.0, delay_s: float = 0.0, target: str = "",
+        bit: int | None = None, value_error: float = 0.0, persistent: bool = False,
     ) -> control_pb2.InjectFaultReply:
-        """Ask the controller to inject a fault (see ``controlplane.chaos`` for the kinds)."""
-        req = control_pb2.InjectFaultRequest(
-            job_id=job_id, rank=rank, node=node,
-            fault=events_pb2.FaultSpec(kind=_fault_kind(kind).wire, at_step=at_step, duration_s=duration_s,
-                                       after_s=after_s, delay_s=delay_s),
-        )
+        """Ask the controller to inject a fault (see ``controlplane.chaos`` for the kinds;
+        ``target``, ``bit``, ``value_error`` and ``persistent`` are an sdc fault's)."""
+        fault = events_pb2.FaultSpec(kind=_fault_kind(kind).wire, at_step=at_step, duration_s=duration_s,
+                                     after_s=after_s, delay_s=delay_s, target=target, value_error=value_error,
+                                     persistent=persistent)
+        if bit is not None:
+            fault.bit = bit
+        req = control_pb2.InjectFaultRequest(job_id=job_id, rank=rank, node=node, fault=fault)
         return self._call(self._stub.InjectFault, req)
 
     def stop_job(self, job_id: str, reason: str = "") -> str:

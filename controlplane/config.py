@@ -36,8 +36,9 @@ from pydantic.fields import FieldInfo
 from fleet.agent.settings import AGENT_SECTION_FIELDS, AgentSettings, check_batch_fits_memory
 from fleet.controlplane import chaos
 from fleet.controlplane.errors import ConfigError
+from fleet.controlplane.sdc import copies_problem
 from fleet.proto.contract import MESSAGE_HEADROOM_BYTES
-from fleet.proto.kinds import IncidentKind
+from fleet.proto.kinds import FaultKind, IncidentKind
 from fleet.proto.tls import TlsFiles
 from fleet.workers.env import LAUNCH_VARS
 from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs, WorkerSpec, documented_fields
@@ -452,6 +453,14 @@ class ChaosFault(_Section):
     delay_s: float = Field(
         0.0, ge=0, le=3600, description=f"slow: extra seconds per step (0 = {chaos.DEFAULT_SLOW_DELAY_S:g})."
     )
+    target: str = Field(
+        "", description="sdc: what is corrupted, one of " + ", ".join(chaos.SDC_TARGETS) + " (empty = weight).")
+    bit: int | None = Field(
+        None, description="sdc: flip this bit of one float32 element (0 = lowest mantissa bit, 31 = sign).")
+    value_error: float = Field(
+        0.0, description="sdc: or multiply one element by 1 + this relative error (e.g. 0.001).")
+    persistent: bool = Field(
+        False, description="sdc: corrupt on every step from at_step on (a defective unit), not once.")
 
     @field_validator("kind")
     @classmethod
@@ -473,6 +482,7 @@ class ChaosFault(_Section):
         return chaos.FaultOrder(
             kind=self.kind, rank=-1 if self.rank is None else self.rank, node=self.node or "",
             at_step=self.at_step, after_s=self.after_s, duration_s=self.duration_s, delay_s=self.delay_s,
+            target=self.target, bit=self.bit, value_error=self.value_error, persistent=self.persistent,
         )
 
 
@@ -482,7 +492,8 @@ class ChaosConfig(_Section):
     faults: list[ChaosFault] = Field(
         default=[],
         description="Faults to inject, each a mapping of kind, rank or node, at_step or after_s, duration_s "
-        "and delay_s, as the flags of `fleet inject-fault` (e.g. `{kind: crash, rank: 1, at_step: 40}`).",
+        "and delay_s (sdc: target, bit or value_error, persistent), as the flags of `fleet inject-fault` "
+        "(e.g. `{kind: crash, rank: 1, at_step: 40}`, `{kind: sdc, rank: 1, bit: 30, at_step: 25}`).",
     )
 
     def orders(self) -> list[chaos.FaultOrder]:
@@ -546,7 +557,9 @@ class SdcConfig(_Section):
         10, ge=0, le=1_000_000,
         description="Every this many steps each rank fingerprints its parameters and optimizer state "
         "(bitwise) and the copies that must be identical are compared, on the step's own all-reduce "
-        "(0 = off). Needs copies: data_parallel ddp or hsdp on 2+ nodes (fsdp shards everything once).",
+        "(0 = off). Needs copies: data_parallel ddp or hsdp on 2+ nodes. Left unset, checks are simply off "
+        "where there is no copy (fsdp shards everything once; a 1-rank world; hsdp on 1 node); set "
+        "explicitly there, it is an error.",
     )
     trigger_factor: float = Field(
         10.0, ge=0, le=1e6,
@@ -606,6 +619,23 @@ class ClusterConfig(_Section):
                 f"job.nodes ({self.job.nodes}) exceeds the local cluster's ray.nodes "
                 f"({self.ray.nodes})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sdc_has_copies(self) -> ClusterConfig:
+        """SDC checks and sdc faults need a copy of the state to compare (``controlplane.sdc``)."""
+        job = self.job
+        problem = copies_problem(job.data_parallel, job.world_size, job.nodes, job.user_program is not None)
+        if problem is None:
+            return self
+        layout = f"job: {job.nodes} node(s) x {job.ranks_per_node} rank(s)"
+        if "check_interval" in self.sdc.model_fields_set and self.sdc.check_interval > 0:
+            raise ValueError(f"sdc.check_interval: {self.sdc.check_interval} asks for fingerprint checks, but "
+                             f"{problem} ({layout}); set it to 0, or leave it out")
+        for i, fault in enumerate(self.chaos.faults):
+            if fault.kind == FaultKind.SDC:
+                raise ValueError(f"chaos.faults.{i}.kind: sdc needs a copy of the corrupted state to compare, "
+                                 f"but {problem} ({layout})")
         return self
 
 

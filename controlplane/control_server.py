@@ -14,7 +14,8 @@ from typing import Protocol, TypeVar
 import grpc
 
 from fleet.controlplane.auth import tokens_equal
-from fleet.controlplane.chaos import FaultOrder, kind_of_wire, validate_order
+from fleet.controlplane.chaos import validate_order
+from fleet.controlplane.chaos_fire import order_of
 from fleet.controlplane.errors import FleetError
 from fleet.controlplane.grpc_errors import status_code
 from fleet.proto import control_pb2, control_pb2_grpc, events_pb2
@@ -73,10 +74,8 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     def InjectFault(
         self, request: control_pb2.InjectFaultRequest, context: grpc.ServicerContext
     ) -> control_pb2.InjectFaultReply:
-        f = request.fault
         # the same rules as the CLI's (a ConfigError becomes INVALID_ARGUMENT)
-        validate_order(FaultOrder(kind=kind_of_wire(f.kind), rank=request.rank, node=request.node, at_step=f.at_step,
-                                  after_s=f.after_s, duration_s=f.duration_s, delay_s=f.delay_s))
+        validate_order(order_of(request.fault, request.rank, request.node))
         return self._control.inject_fault(request.job_id, request.rank, request.node, request.fault)
 
     @_guarded

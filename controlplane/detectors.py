@@ -8,8 +8,11 @@ attempt runs; the controller applies ``attribute_failures`` when ranks end badly
 Incident kinds: crash (a rank's process died), error (a rank raised), hang (ranks
 stopped progressing), desync (ranks issued different collectives), straggler (one rank
 consistently late), nan (a non-finite loss), loss_spike, agent_loss (a node agent went
-silent), node_loss. Every incident names a rank (-1 if none), its node ("" if none),
-the detector that fired and its evidence.
+silent), node_loss, sdc (silent data corruption proven by comparing copies: a
+persistent one ends the attempt through the ranks' own ``SdcError``, a transient or
+ambiguous one is a verdict row the watchdog reads). Every incident names a rank (-1 if
+none), its node ("" if none), the detector that fired and its evidence; an SDC incident
+also the step the next attempt may restore at most (``rollback_step``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Protocol
 
+from fleet.controlplane.sdc import PERSISTENT_DETECTOR, SdcFailure, SdcVerdict, detector_of
 from fleet.proto.kinds import IncidentKind
 
 
@@ -36,6 +40,7 @@ class ObservedFailure(Protocol):
     traceback: str                     # ...its traceback or output tail
     exited_at: float                   # ...when it exited, Unix seconds (0: unknown)
     reached_pg: bool                   # ...whether it had created its process group
+    sdc: SdcFailure | None             # the rank raised SdcError (persistent silent data corruption)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,9 @@ class Incident:
     traceback: str = ""
     #: the culprit process's exit code (negative: killed by that signal); None if unknown
     exit_code: int | None = None
+    #: silent data corruption: the newest step verified before it, which the next attempt
+    #: restores at most (None: no rollback is needed)
+    rollback_step: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", IncidentKind(self.kind))
@@ -67,7 +75,9 @@ def attribute_failures(failures: Sequence[ObservedFailure],
                        nodes: Sequence[str] | None = None) -> Incident | None:
     """Blame the failure of an attempt on one rank.
 
-    A non-finite loss is the cause when any rank reports one (``nonfinite_step`` > 0):
+    Silent data corruption is the cause when a rank raised ``SdcError`` (every rank does,
+    after the same triage): its suspect is named, with the rollback step. Else a
+    non-finite loss is the cause when any rank reports one (``nonfinite_step`` > 0):
     the first of its ``nonfinite_ranks`` is named, or the reporting rank when none is
     listed (its node from ``nodes``, where ``nodes[r]`` is rank r's node). Else a rank
     whose process died is the cause; ranks that merely raised (typically a gloo
@@ -76,6 +86,9 @@ def attribute_failures(failures: Sequence[ObservedFailure],
     """
     if not failures:
         return None
+    sdc = _sdc_incident(failures, nodes)
+    if sdc is not None:
+        return sdc
     nan = _nonfinite_incident(failures, nodes)
     if nan is not None:
         return nan
@@ -102,6 +115,32 @@ def _nonfinite_incident(failures: Sequence[ObservedFailure], nodes: Sequence[str
     return Incident(IncidentKind.NAN, "nan", rank, node,
                     f"non-finite loss at step {step} on rank(s) {ranks or [reporter.rank]} "
                     f"(raised by rank(s) {[f.rank for f in reports]})")
+
+
+def _sdc_incident(failures: Sequence[ObservedFailure], nodes: Sequence[str] | None) -> Incident | None:
+    reports = sorted((f for f in failures if getattr(f, "sdc", None) is not None), key=lambda f: f.rank)
+    if not reports:
+        return None
+    sdc = reports[0].sdc
+    assert sdc is not None
+    node = _node_of(sdc.rank, nodes, failures) if sdc.rank >= 0 else ""
+    who = f"rank {sdc.rank}" + (f" on {node}" if node else "") if sdc.rank >= 0 else "no rank"
+    evidence = (f"{sdc.verdict} silent data corruption first seen at step {sdc.step}: suspect {who}; "
+                f"{sdc.evidence}; roll back to step {sdc.rollback_step} (raised by rank(s) "
+                f"{[f.rank for f in reports]})")
+    detector = PERSISTENT_DETECTOR if sdc.verdict == "persistent" else detector_of(sdc.verdict)
+    return Incident(IncidentKind.SDC, detector, sdc.rank, node, evidence, rollback_step=sdc.rollback_step)
+
+
+def sdc_verdict_incident(verdict: SdcVerdict, nodes: Sequence[str]) -> Incident | None:
+    """The side incident of a triage verdict the ranks went on after: transient or
+    ambiguous (they rolled back in memory). None for "clean" (the trigger was the data's)
+    and for "persistent", which ends the attempt through the ranks' ``SdcError`` instead."""
+    if verdict.verdict not in ("transient", "ambiguous"):
+        return None
+    node = _node_of(verdict.suspect, nodes) if verdict.suspect >= 0 else ""
+    return Incident(IncidentKind.SDC, detector_of(verdict.verdict), verdict.suspect, node,
+                    verdict.describe(node), rollback_step=verdict.rollback_step)
 
 
 def attribute_with_trace(incident: Incident, verdict: str, culprit_ranks: Sequence[int], summary: str,
@@ -327,12 +366,15 @@ class RestartDecision:
 
 
 def decide_restart(restarts_done: int, max_restarts: int, incident: Incident) -> RestartDecision:
-    """Restart the attempt while the restart budget lasts; give up after."""
+    """Restart the attempt while the restart budget lasts; give up after. After silent
+    data corruption the restart rolls back to the incident's ``rollback_step``."""
     if restarts_done < max_restarts:
+        rollback = "" if incident.rollback_step is None else \
+            f", rolling back to step {incident.rollback_step} (verified before the corruption)"
         return RestartDecision(
             True,
             f"{incident.kind} of rank {incident.rank} on {incident.node}: "
-            f"restart {restarts_done + 1} of {max_restarts}",
+            f"restart {restarts_done + 1} of {max_restarts}{rollback}",
         )
     return RestartDecision(
         False, f"{incident.kind} of rank {incident.rank} on {incident.node}: "

@@ -4,7 +4,8 @@ ControlService (list, status, inject a fault, stop).
 ``LiveJob`` is the state the controller's thread changes and the gRPC threads read
 (current attempt and placement, the stop request), under one lock. ``JobService``
 answers ControlService from it and the store; a fault order is checked, aimed at the
-current placement and handed to the chaos scheduler, which fires it when due.
+current placement and handed to the chaos scheduler, which fires it when due; an sdc
+fault on an attempt whose layout has no copy to compare is refused (``ConfigError``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleet.controlplane import chaos
-from fleet.controlplane.chaos_fire import target
-from fleet.controlplane.errors import NotFoundError, StateError
+from fleet.controlplane.chaos_fire import order_of, target
+from fleet.controlplane.errors import ConfigError, NotFoundError, StateError
 from fleet.controlplane.store import JobRecord, Store
 from fleet.proto import control_pb2, events_pb2
+from fleet.proto.kinds import FaultKind
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +37,23 @@ class LiveJob:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _attempt: int = 0
     _placement: list[str] = field(default_factory=list)
+    _no_copies: str = ""
 
     def position(self) -> tuple[int, list[str]]:
         """(current attempt, node name of each rank); (0, []) before the first."""
         with self._lock:
             return self._attempt, list(self._placement)
 
-    def move_to(self, attempt: int, placement: list[str]) -> None:
+    def move_to(self, attempt: int, placement: list[str], no_copies: str = "") -> None:
+        """The job runs ``attempt`` on ``placement`` (node of each rank); ``no_copies``: why
+        its layout has no copy of the state for SDC checks to compare ("" = it has)."""
         with self._lock:
-            self._attempt, self._placement = attempt, list(placement)
+            self._attempt, self._placement, self._no_copies = attempt, list(placement), no_copies
+
+    @property
+    def no_copies(self) -> str:
+        with self._lock:
+            return self._no_copies
 
     @property
     def attempt(self) -> int:
@@ -93,13 +103,16 @@ class JobService:
         """Check a fault order and hand it to the chaos scheduler (which fires it now or
         when due)."""
         self._require_this_job(job_id)
-        order = chaos.FaultOrder(kind=chaos.kind_of_wire(fault.kind), rank=rank, node=node, at_step=fault.at_step,
-                                 after_s=fault.after_s, duration_s=fault.duration_s, delay_s=fault.delay_s)
+        order = order_of(fault, rank, node)
         chaos.validate_order(order)
         attempt, placement = self._job.position()
         submit = self._submit
         if not placement or submit is None:
             raise StateError(f"job {self._job.job_id} has no running worker group yet")
+        no_copies = self._job.no_copies
+        if order.kind == FaultKind.SDC and no_copies:
+            raise ConfigError(f"--kind sdc: job {self._job.job_id} has no copy of the corrupted state to "
+                              f"compare, so the corruption could not be caught: {no_copies}")
         node, ranks = target(order, placement)
         submit(order)
         command_id = uuid.uuid4().hex[:12]

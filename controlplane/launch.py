@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from fleet.controlplane.config import ClusterConfig
+from fleet.controlplane.sdc import copies_problem
 from fleet.workers.spec import Launch, WorkerSpec
 
 
@@ -53,14 +54,22 @@ def worker_specs(
     local_addresses: Mapping[str, str],
     master_addr: str,
     launch: Launch | None = None,
+    restore_at_most: int = 0,
 ) -> list[WorkerSpec]:
     """One WorkerSpec per rank: rank i on ``placement[i]``, reporting to that node's agent
     (``local_addresses[node.name]``), meeting at ``master_addr:port``; running ``launch``
     (``program_launch``) when the job is a user program. Ranks are numbered node by node,
-    as torchrun does: LOCAL_RANK counts within a node, GROUP_RANK is the node's index."""
+    as torchrun does: LOCAL_RANK counts within a node, GROUP_RANK is the node's index.
+
+    SDC fingerprint checks run every ``sdc.check_interval`` steps where this placement has
+    copies to compare (``sdc.copies_problem``: none with fsdp, on one rank, or hsdp on one
+    node, e.g. after a shrink), else not at all; triggers always. ``restore_at_most`` > 0:
+    the ranks restore no state newer than that step (after silent data corruption)."""
     job, agent = config.job, config.agent
     model, train = job.model.args(), job.train_args()
     nodes = list(dict.fromkeys(n.name for n in placement))
+    no_copies = copies_problem(train.data_parallel, len(placement), len(nodes), job.user_program is not None)
+    check_interval = 0 if no_copies else config.sdc.check_interval
     local: dict[str, int] = {}
     places = []
     for node in placement:
@@ -89,6 +98,9 @@ def worker_specs(
             group_rank=places[rank][1],
             group_world_size=len(nodes),
             max_restarts=job.max_restarts,
+            sdc_check_interval=check_interval,
+            sdc_trigger_factor=config.sdc.trigger_factor,
+            restore_at_most=restore_at_most,
         )
         for rank, node in enumerate(placement)
     ]

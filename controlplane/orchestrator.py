@@ -18,6 +18,7 @@ from fleet.agent.settings import AgentSettings
 from fleet.controlplane.config import ControllerConfig, RayConfig
 from fleet.controlplane.errors import UnavailableError
 from fleet.controlplane.runtime import NodeInfo, RankFailure
+from fleet.controlplane.sdc import SdcFailure
 
 # Ray resolves its node address to loopback only with this set (read at import time).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -30,7 +31,7 @@ import ray  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from fleet.agent.ray_actor import AgentActor  # noqa: E402
-from fleet.workers.failures import NonFiniteLossError, RankExitError  # noqa: E402
+from fleet.workers.failures import NonFiniteLossError, RankExitError, SdcError  # noqa: E402
 from fleet.workers.ray_actor import WorkerActor  # noqa: E402
 from fleet.workers.spec import Launch, WorkerSpec  # noqa: E402
 
@@ -409,12 +410,22 @@ class WorkerGroup:
 
 def _raised(rank: int, node: str, exc: BaseException) -> RankFailure:
     """The failure of a rank whose run raised (its actor lives): a user program's exit
-    (``RankExitError``, with its exit code and traceback) or the built-in trainer's error."""
+    (``RankExitError``, with its exit code and traceback) or the built-in trainer's error
+    (a non-finite loss and silent data corruption with their fields)."""
     cause = getattr(exc, "cause", exc)
     if isinstance(cause, RankExitError):
         return RankFailure(rank, node, False, str(cause), exit_code=cause.exit_code, traceback=cause.traceback,
                            exited_at=cause.exited_at, reached_pg=cause.reached_pg)
-    return RankFailure(rank, node, False, _one_line(exc), *nonfinite_loss(exc))
+    return RankFailure(rank, node, False, _one_line(exc), *nonfinite_loss(exc), sdc=sdc_failure(exc))
+
+
+def sdc_failure(exc: BaseException) -> SdcFailure | None:
+    """The fields of a rank's ``SdcError`` as Ray hands it over (the task error's
+    ``cause``); None for any other error."""
+    cause = getattr(exc, "cause", exc)
+    if isinstance(cause, SdcError):
+        return SdcFailure(cause.step, cause.rank, cause.verdict, cause.rollback_step, cause.evidence)
+    return None
 
 
 def nonfinite_loss(exc: BaseException) -> tuple[int, tuple[int, ...]]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from fleet.agent.settings import AgentSettings
     from fleet.controlplane.config import ControllerConfig, RayConfig
+    from fleet.controlplane.sdc import SdcFailure
     from fleet.workers.spec import Launch, WorkerSpec
 
 
@@ -55,6 +56,9 @@ class RankFailure:
     traceback: str = ""
     exited_at: float = 0.0
     reached_pg: bool = True
+    #: the rank raised ``fleet.workers.failures.SdcError`` (persistent silent data
+    #: corruption, after its triage): its fields; None for any other failure
+    sdc: SdcFailure | None = None
 
 
 #: A worker process as the runtime knows it (a Ray actor handle); opaque to the controller.

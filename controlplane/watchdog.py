@@ -16,6 +16,14 @@ applies the pure decisions of ``controlplane.detectors`` to what it has seen:
     ``straggler_lag_s``, in ``straggler_steps`` consecutive steps.
   * loss_spike: a step's loss far above the median of the previous ones.
   * agent_loss: a node of the attempt whose agent stayed silent past the agent timeout.
+  * sdc: a triage verdict row (workers/sdc.py) of the attempt saying "transient" or
+    "ambiguous": the ranks rolled back in memory and went on; the incident names the
+    suspect rank and its node, the first bad step, the triage and the rollback point.
+    "persistent" verdicts end the attempt through the ranks' own ``SdcError`` (the
+    controller's attribution), "clean" ones are no incident. Verdict rows are read from
+    the store ``SDC_SETTLE_S`` after a batch with SDC checks arrived (it is committed just
+    after it is observed), and every ``SDC_POLL_S`` in any case; each is judged once
+    (by row id, so a row committed late is not missed).
 
 Its inputs are the rows of the batches agents deliver (``observe``, installed as the
 ``AgentServicer`` observer, only queues a batch: the thread reads it through the batch's
@@ -36,7 +44,7 @@ Invariants:
   * ``on_incident`` runs on the watchdog thread, at most once per incident: one hang (or
     desync, or startup hang) per watched attempt, one straggler per (attempt, rank), one
     loss spike per attempt, one nan per attempt, one agent loss per node until its agent
-    is heard from again.
+    is heard from again, one sdc per transient or ambiguous verdict row.
     ``watch`` re-arms them all. Never while paused; never once ``pause`` has returned.
   * Only rows of the watched job and attempt count; rows that arrive before ``watch``
     names their attempt are dropped (call ``watch`` before the workers start).
@@ -58,6 +66,7 @@ from dataclasses import dataclass, field
 from fleet.controlplane import detectors
 from fleet.controlplane.config import ControllerConfig, DetectConfig
 from fleet.controlplane.detectors import Incident
+from fleet.controlplane.sdc import SdcVerdict
 from fleet.controlplane.diagnosis import Diagnosis, DiagnosisConfig, diagnose, recent_traces
 from fleet.controlplane.store import CollectiveRow, Store
 from fleet.controlplane.store.ingest import PreparedBatch
@@ -97,6 +106,12 @@ ARRIVALS_PER_STEP = 4096
 
 #: How long a flight-recorder verdict must hold, unchanged, before a hang is declared on it.
 VERDICT_STABLE_S = 0.5
+#: After a batch with SDC checks arrives, its rows are read from the store this much later
+#: (the batch is observed before it is committed).
+SDC_SETTLE_S = 0.5
+#: The store's SDC verdicts are read at least this often while an attempt is watched (a
+#: batch the observer missed, e.g. a full inbox, is seen all the same).
+SDC_POLL_S = 5.0
 
 
 class _RecentMax:
@@ -154,6 +169,8 @@ class _Watched:
     next_diagnosis: float = 0.0               # monotonic
     verdict_key: tuple = ()                   # (verdict, culprits) of the newest diagnosis
     verdict_since: float = 0.0                # monotonic: since when it has stayed the same
+    sdc_read_at: float = math.inf             # monotonic: read the store's SDC rows then
+    sdc_next_poll: float = 0.0                # monotonic: ... and at the latest then
 
 
 class Watchdog:
@@ -240,7 +257,7 @@ class Watchdog:
         while paused, stopped or not started."""
         if self._paused or self._thread is None or self._stop.is_set():
             return
-        if batch.steps or batch.collectives or batch.statuses:
+        if batch.steps or batch.collectives or batch.statuses or batch.sdc:
             self._inbox.append((time.time_ns(), batch))
 
     # -- the thread -----------------------------------------------------------------------
@@ -269,8 +286,15 @@ class Watchdog:
                 return
             found += self._agents(w, now)
             suspect = self._suspect(w, now_ns, now, total_steps)
+            if any(batch.sdc for _, batch in batches):
+                w.sdc_read_at = min(w.sdc_read_at, now + SDC_SETTLE_S)
+            read_sdc = now >= min(w.sdc_read_at, w.sdc_next_poll)
+            if read_sdc:
+                w.sdc_read_at, w.sdc_next_poll = math.inf, now + SDC_POLL_S
         if suspect is not None:
             found += self._judge_hang(w, *suspect, now)
+        if read_sdc:
+            found += self._sdc_verdicts(w)
         self._fire(w, found)
 
     def _fire(self, w: _Watched, incidents: list[Incident]) -> None:
@@ -512,6 +536,29 @@ class Watchdog:
                 incident = detectors.decide_hang(seconds, threshold, cfg.unconfirmed_hang_s, verdict, culprits,
                                                  summary, progress, w.nodes, why)
             return self._once(w, (IncidentKind.HANG,), incident)
+
+    # -- silent data corruption -----------------------------------------------------------
+
+    def _sdc_verdicts(self, w: _Watched) -> list[Incident]:
+        """Side incidents of the watched attempt's verdict rows stored since the last read."""
+        try:
+            rows = [r for r in self._store.sdc_checks(self._job_id, w.number) if r.kind == "verdict"]
+        except Exception:  # noqa: BLE001 - read again at the next poll
+            log.exception("reading the SDC checks of attempt %d failed", w.number)
+            return []
+        found: list[Incident] = []
+        with self._lock:
+            if self._watched is not w:
+                return []
+            for row in rows:
+                key = (IncidentKind.SDC, row.id)
+                if key in w.fired:
+                    continue
+                w.fired.add(key)  # judged: a clean or persistent verdict is not read twice either
+                incident = detectors.sdc_verdict_incident(SdcVerdict.from_row(row), w.nodes)
+                if incident is not None:
+                    found.append(incident)
+        return found
 
     def _diagnose(self, attempt: int, settle_s: float, horizon_ns: int) -> Diagnosis | None:
         """The flight recorder's verdict over the newest collectives, as of ``horizon_ns``,

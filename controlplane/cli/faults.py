@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from fleet.controlplane.chaos import FAULT_KINDS, KIND_HELP, FaultOrder, validate_order
+from fleet.controlplane.chaos import FAULT_KINDS, KIND_HELP, SDC_TARGETS, FaultOrder, validate_order
 from fleet.controlplane.cli.common import JsonOpt, StateDirOpt
 from fleet.controlplane.cli.render import console, print_json
 from fleet.controlplane.client import ControlClient
@@ -30,6 +31,14 @@ def inject_fault(
         "--duration", help="hang, slow, agent-down, partition, node-down: seconds it lasts (0 = indefinitely).")] = 0.0,
     delay: Annotated[float, typer.Option(
         "--delay", help=f"slow: extra seconds per step (0 = {DEFAULT_SLOW_DELAY_S:g}).")] = 0.0,
+    target: Annotated[str, typer.Option(
+        "--target", help=f"sdc: what is corrupted, one of {', '.join(SDC_TARGETS)} (default weight).")] = "",
+    bit: Annotated[int | None, typer.Option(
+        "--bit", help="sdc: flip this bit of one float32 element (0 = lowest mantissa bit, 31 = sign).")] = None,
+    value_error: Annotated[float, typer.Option(
+        "--value-error", help="sdc: or multiply one element by 1 + this relative error (e.g. 1e-3).")] = 0.0,
+    persistent: Annotated[bool, typer.Option(
+        "--persistent", help="sdc: corrupt on every step from then on (a defective unit), not once.")] = False,
     controller: Annotated[str | None, typer.Option("--controller", help="Controller host:port.")] = None,
     state_dir: StateDirOpt = Path(".fleet"),
     json_out: JsonOpt = False,
@@ -38,23 +47,25 @@ def inject_fault(
     if rank is not None and rank < 0:
         raise ConfigError(f"--rank: must be >= 0 (got {rank})")
     order = FaultOrder(kind=kind, rank=-1 if rank is None else rank, node=node or "", at_step=at_step,
-                       after_s=after, duration_s=duration, delay_s=delay)
+                       after_s=after, duration_s=duration, delay_s=delay, target=target, bit=bit,
+                       value_error=value_error, persistent=persistent)
     validate_order(order)
     with ControlClient.from_state_dir(state_dir, controller) as client:
         reply = client.inject_fault(job, kind, rank=order.rank, node=order.node, at_step=at_step,
-                                    duration_s=duration, after_s=after, delay_s=delay)
+                                    duration_s=duration, after_s=after, delay_s=delay, target=target, bit=bit,
+                                    value_error=value_error, persistent=persistent)
     if json_out:
         print_json({"command_id": reply.command_id, "attempt": reply.attempt,
                     "ranks": list(reply.ranks), "node": reply.node})
         return
     if reply.ranks:
-        target = f"rank(s) {list(reply.ranks)} on {reply.node}"
+        aimed = f"rank(s) {list(reply.ranks)} on {reply.node}"
     else:
-        target = reply.node or f"job {job}"
+        aimed = reply.node or f"job {job}"
     when = f"at step {at_step}" if at_step else f"in {after:g} s" if after else "now"
     console.print(
-        f"injected [bold]{kind}[/] into {target} (attempt {reply.attempt}, {when}); command {reply.command_id}"
-    )
+        f"injected [bold]{replace(order, rank=-1, node='', at_step=0, after_s=0.0).describe()}[/] into {aimed} (attempt {reply.attempt}, {when}); "
+        f"command {reply.command_id}", highlight=False)
 
 
 inject_fault.__doc__ = f"{inject_fault.__doc__}\n\n{_KINDS_HELP}"

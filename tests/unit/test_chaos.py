@@ -466,6 +466,18 @@ def _cli(capsys, *argv: str) -> tuple[int, str]:
         (["--kind", "slow", "--rank", "0", "--after", "-1"], "error: --after: must be a finite number >= 0"),
         (["--kind", "slow", "--rank", "0", "--duration", "inf"], "error: --duration: must be a finite number"),
         (["--kind", "crash", "--rank", "-1"], "error: --rank: must be >= 0 (got -1)"),
+        (["--kind", "sdc", "--rank", "1", "--bit", "32"], "error: --bit: must be a float32 bit, 0"),
+        (["--kind", "sdc", "--rank", "1", "--bit", "-1"], "error: --bit: must be a float32 bit"),
+        (["--kind", "sdc", "--rank", "1", "--bit", "3", "--target", "bias"],
+         "error: --target: must be one of weight, grad, optimizer, activation (got 'bias')"),
+        (["--kind", "sdc", "--rank", "1"], "error: --bit / --value-error: sdc needs one"),
+        (["--kind", "sdc", "--rank", "1", "--bit", "3", "--value-error", "1e-3"],
+         "error: --bit / --value-error: give one of them, not both"),
+        (["--kind", "sdc", "--rank", "1", "--value-error", "nan"], "error: --value-error: must be a finite number"),
+        (["--kind", "sdc", "--rank", "1", "--value-error", "1e7"], "error: --value-error: must be between 1e-9"),
+        (["--kind", "crash", "--rank", "1", "--persistent"], "error: --persistent: only sdc takes it (not crash)"),
+        (["--kind", "sdc-gemm", "--node", "node-0", "--bit", "3"], "error: --bit: only sdc takes it (not sdc-gemm)"),
+        (["--kind", "sdc-gemm"], "error: --node: sdc-gemm needs a node"),
     ],
 )
 def test_cli_refuses_bad_flags_before_connecting(capsys, tmp_path, argv, needle):
@@ -503,18 +515,35 @@ class _FakeClient:
         return control_pb2.InjectFaultReply(command_id="c1", attempt=2, ranks=ranks, node=node)
 
 
+_NO_SDC = {"target": "", "bit": None, "value_error": 0.0, "persistent": False}
+
+
 @pytest.mark.parametrize(
     ("argv", "kwargs", "printed"),
     [
         (["--kind", "slow", "--rank", "1", "--after", "30", "--duration", "20", "--delay", "0.5"],
-         {"rank": 1, "node": "", "at_step": 0, "duration_s": 20.0, "after_s": 30.0, "delay_s": 0.5},
+         {"rank": 1, "node": "", "at_step": 0, "duration_s": 20.0, "after_s": 30.0, "delay_s": 0.5, **_NO_SDC},
          "injected slow into rank(s) [1] on node-0 (attempt 2, in 30 s); command c1"),
         (["--kind", "ckpt-corrupt", "--at-step", "120"],
-         {"rank": -1, "node": "", "at_step": 120, "duration_s": 0.0, "after_s": 0.0, "delay_s": 0.0},
+         {"rank": -1, "node": "", "at_step": 120, "duration_s": 0.0, "after_s": 0.0, "delay_s": 0.0, **_NO_SDC},
          "injected ckpt-corrupt into job j (attempt 2, at step 120); command c1"),
         (["--kind", "partition", "--node", "node-1", "--duration", "5"],
-         {"rank": -1, "node": "node-1", "at_step": 0, "duration_s": 5.0, "after_s": 0.0, "delay_s": 0.0},
+         {"rank": -1, "node": "node-1", "at_step": 0, "duration_s": 5.0, "after_s": 0.0, "delay_s": 0.0,
+          **_NO_SDC},
          "injected partition into node-1 (attempt 2, now); command c1"),
+        (["--kind", "sdc", "--rank", "1", "--bit", "30", "--target", "optimizer", "--persistent",
+          "--at-step", "25"],
+         {"rank": 1, "node": "", "at_step": 25, "duration_s": 0.0, "after_s": 0.0, "delay_s": 0.0,
+          "target": "optimizer", "bit": 30, "value_error": 0.0, "persistent": True},
+         "injected sdc (bit 30 in a optimizer, persistent) into rank(s) [1] on node-0 (attempt 2, at step 25); "
+         "command c1"),
+        (["--kind", "sdc", "--rank", "0", "--value-error", "1e-3"],
+         {"rank": 0, "node": "", "at_step": 0, "duration_s": 0.0, "after_s": 0.0, "delay_s": 0.0,
+          "target": "", "bit": None, "value_error": 1e-3, "persistent": False},
+         "injected sdc (relative error 0.001 in a weight) into rank(s) [0] on node-0 (attempt 2, now); command c1"),
+        (["--kind", "sdc-gemm", "--node", "node-1"],
+         {"rank": -1, "node": "node-1", "at_step": 0, "duration_s": 0.0, "after_s": 0.0, "delay_s": 0.0, **_NO_SDC},
+         "injected sdc-gemm into node-1 (attempt 2, now); command c1"),
     ],
 )
 def test_cli_passes_every_field_to_the_client(capsys, monkeypatch, argv, kwargs, printed):
@@ -538,8 +567,15 @@ def test_client_puts_after_and_delay_in_the_fault_spec(monkeypatch):
     try:
         client.inject_fault("j", "slow", rank=1, after_s=30, delay_s=0.5, duration_s=20)
         client.inject_fault("j", "crash", rank=0, at_step=5)   # the old call still works
+        client.inject_fault("j", "sdc", rank=1, target="grad", bit=0, persistent=True)
+        client.inject_fault("j", "sdc", rank=1, value_error=-0.5)
     finally:
         client.close()
-    slow, crash = (r.fault for r in sent)
+    slow, crash, flip, scale = (r.fault for r in sent)
     assert (slow.kind, slow.after_s, slow.delay_s, slow.duration_s) == (FaultKind.SLOW.wire, 30.0, 0.5, 20.0)
     assert (crash.kind, crash.at_step, crash.after_s, crash.delay_s) == (FaultKind.CRASH.wire, 5, 0.0, 0.0)
+    assert not crash.HasField("bit")
+    # bit 0 is a bit: it must travel as set, not as the unset default
+    assert (flip.kind, flip.target, flip.HasField("bit"), flip.bit, flip.persistent) == \
+        (FaultKind.SDC.wire, "grad", True, 0, True)
+    assert (scale.HasField("bit"), scale.value_error, scale.persistent) == (False, -0.5, False)
