@@ -6,11 +6,19 @@ commands to the addressed rank: a command waits in that rank's mailbox until the
 next report collects it. Commands for another attempt than the reporting worker's are
 stale and dropped.
 
-Two chaos faults are addressed to the agent itself (whatever the command's rank) and
+Three chaos faults are addressed to the agent itself (whatever the command's rank) and
 applied on receipt: ``agent-down`` kills the agent's process with SIGKILL, like a crash
-(workers keep their events and retry until an agent serves their address again), and
+(workers keep their events and retry until an agent serves their address again),
 ``partition`` cuts the agent off from the controller for ``fault.duration_s`` seconds
-(``Uplink.partition``).
+(``Uplink.partition``), and ``sdc-gemm`` makes the node's matrix products wrong in one
+element (``gemm_check.Defect``) until the agent restarts.
+
+Node checks: a ``health_check`` command runs the known-answer GEMM test
+(``agent.gemm_check``) at once, and while no rank reports to this agent the test also
+runs every ``settings.gemm_interval_s`` (0: never). Each run is one ``SdcCheckEvent``
+(kind "gemm", rank -1, this node; the command's job and attempt, none for an idle run)
+on the uplink like any event; ``GemmChecker`` says what it carries. The tests run on one
+named thread, one at a time; torch is imported there, at the first test.
 
 The local channel binds ``bind_host:local_port``; a port of 0 picks a free one. A
 restarted agent passes its predecessor's port so the workers' reporters, which retry
@@ -27,7 +35,9 @@ folder defaults to ``<system temp>/fleet-spill-<uid>/<agent_id>/``.
 from __future__ import annotations
 
 import collections
+import json
 import logging
+import queue
 import os
 import signal
 import socket
@@ -126,6 +136,108 @@ class _NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         return agent_pb2.WorkerReply(commands=cmds)
 
 
+class GemmChecker:
+    """Runs the node's known-answer GEMM test on request and, every ``interval_s`` (0:
+    never) while ``idle()``, on its own; ``submit``s one event per run.
+
+    The event (``SdcCheckEvent``, kind "gemm", rank -1, step 0): ``value`` / ``expected``
+    the worst element's error and bound (``gemm_check.worst``) as text, ``ok`` whether
+    every element of every device and dtype is within its bound, ``detail`` a JSON
+    object: ``command_id`` (the health_check command's, "" for an idle run), ``trigger``
+    ("command" | "idle"), ``summary`` (one line), ``worst`` and ``results`` (each
+    ``GemmResult.to_dict()``). A test that cannot run at all is reported as failed, its
+    error in ``summary`` (and ``worst`` null)."""
+
+    def __init__(self, node_name: str, size: int, interval_s: float,
+                 submit: Callable[[events_pb2.Event], None], idle: Callable[[], bool]) -> None:
+        self.node_name = node_name
+        self._size = size
+        self._interval_s = interval_s
+        self._submit = submit
+        self._idle = idle
+        self._requests: queue.Queue[tuple[events_pb2.Command | None, queue.Queue | None]] = queue.Queue()
+        self._stop = threading.Event()
+        self._defective = False
+        self._thread = threading.Thread(target=self._run, name=f"fleet-agent-gemm-{node_name}", daemon=True)
+
+    @property
+    def defective(self) -> bool:
+        return self._defective
+
+    def make_defective(self) -> None:
+        """From now on the node's products are wrong in one element (chaos sdc-gemm)."""
+        self._defective = True
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request(self, cmd: events_pb2.Command) -> None:
+        """Run the test for ``cmd`` (a health_check command) as soon as the thread is free."""
+        self._requests.put((cmd, None))
+
+    def run_now(self, timeout_s: float) -> events_pb2.SdcCheckEvent:
+        """Run the test (after any queued one), wait for it; its event (also submitted)."""
+        done: queue.Queue[events_pb2.SdcCheckEvent] = queue.Queue(maxsize=1)
+        self._requests.put((None, done))
+        try:
+            return done.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"the GEMM test on {self.node_name} did not finish in {timeout_s:g} s") from None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._requests.put((None, None))
+        if self._thread.ident is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        wait = self._interval_s if self._interval_s > 0 else None
+        while not self._stop.is_set():
+            try:
+                cmd, done = self._requests.get(timeout=wait)
+            except queue.Empty:
+                if self._idle():
+                    self._check(None, None)
+                continue
+            if self._stop.is_set():
+                return
+            self._check(cmd, done)
+
+    def _check(self, cmd: events_pb2.Command | None, done: queue.Queue | None) -> None:
+        try:
+            event = self.test(cmd)
+            self._submit(events_pb2.Event(sdc=event))
+        except Exception:  # the checker thread must never die silently
+            log.exception("%s: reporting the GEMM test failed", self.node_name)
+            return
+        if done is not None:
+            done.put(event)
+
+    def test(self, cmd: events_pb2.Command | None) -> events_pb2.SdcCheckEvent:
+        """Run the test now, on this thread; its event."""
+        detail: dict[str, object] = {"command_id": cmd.command_id if cmd is not None else "",
+                                     "trigger": "idle" if cmd is None else "command"}
+        try:
+            from fleet.agent import gemm_check  # torch: only once a test runs
+
+            results = gemm_check.run_node_check(
+                self._size, gemm_check.Defect() if self._defective else None)
+            worst = gemm_check.worst(results)
+            ok, value, expected = all(r.ok for r in results), f"{worst.error:.6g}", f"{worst.bound:.6g}"
+            detail.update(summary=worst.summary(), worst=worst.to_dict(), results=[r.to_dict() for r in results])
+        except Exception as exc:
+            log.exception("%s: the GEMM test could not run", self.node_name)
+            ok, value, expected = False, "", ""
+            detail.update(summary=f"the GEMM test could not run: {type(exc).__name__}: {exc}", worst=None,
+                          results=[])
+        if not ok:
+            log.error("%s: known-answer GEMM test failed: %s", self.node_name, detail["summary"])
+        return events_pb2.SdcCheckEvent(
+            job_id=cmd.job_id if cmd is not None else "", attempt=cmd.attempt if cmd is not None else 0,
+            rank=-1, node=self.node_name, step=0, kind="gemm", value=value, expected=expected, ok=ok,
+            detail=json.dumps(detail, separators=(",", ":")), time_ns=time.time_ns())
+
+
 class NodeAgent:
     """One node's agent. Use as a context manager, or call ``start``/``close``."""
 
@@ -172,6 +284,8 @@ class NodeAgent:
             token=token,
             epoch=time.time_ns(),
         )
+        self._checker = GemmChecker(node_name, settings.gemm_size, settings.gemm_interval_s,
+                                    submit=self._submit_check, idle=lambda: self._mailboxes.alive() == 0)
         self._uplink = Uplink(
             controller_address=controller_address,
             token=token,
@@ -214,6 +328,7 @@ class NodeAgent:
         self.local_address = f"{self._bind_host}:{port}"
         self._hello.local_address = self.local_address
         self._uplink.start()
+        self._checker.start()
         if not self._uplink.wait_welcomed(connect_timeout_s):
             self.close()
             raise TimeoutError(f"{self.agent_id}: controller did not accept the connection")
@@ -222,8 +337,15 @@ class NodeAgent:
     def _on_command(self, cmd: events_pb2.Command) -> None:
         """A command from the controller: a fault for the agent itself is applied now,
         anything else waits for its rank's next report."""
-        kind = cmd.fault.kind if cmd.WhichOneof("kind") == "fault" else 0
-        if kind == FaultKind.AGENT_DOWN.wire:
+        which = cmd.WhichOneof("kind")
+        kind = cmd.fault.kind if which == "fault" else 0
+        if which == "health_check":
+            self._checker.request(cmd)
+        elif kind == FaultKind.SDC_GEMM.wire:
+            log.warning("%s: sdc-gemm fault (command %s): this node's matrix products now come out "
+                        "wrong in one element until the agent restarts", self.agent_id, cmd.command_id)
+            self._checker.make_defective()
+        elif kind == FaultKind.AGENT_DOWN.wire:
             log.warning("%s: agent-down fault (command %s): killing this agent", self.agent_id, cmd.command_id)
             self._die()
         elif kind == FaultKind.PARTITION.wire:
@@ -244,6 +366,19 @@ class NodeAgent:
         """True while a partition cuts this agent off from the controller."""
         return self._uplink.partitioned()
 
+    def _submit_check(self, event: events_pb2.Event) -> None:
+        self._uplink.submit([event], timeout_s=30.0)
+
+    def check_now(self, timeout_s: float = 60.0) -> events_pb2.SdcCheckEvent:
+        """Run the known-answer GEMM test now (as a ``health_check`` command would), report
+        it, and return its event; ``TimeoutError`` after ``timeout_s``."""
+        return self._checker.run_now(timeout_s)
+
+    @property
+    def defective(self) -> bool:
+        """True once an sdc-gemm fault made this node's products wrong."""
+        return self._checker.defective
+
     def _heartbeat(self) -> agent_pb2.Heartbeat:
         return agent_pb2.Heartbeat(
             agent_id=self.agent_id,
@@ -260,7 +395,9 @@ class NodeAgent:
         return self._uplink.stats()
 
     def close(self) -> None:
-        """Stop serving workers, flush what is buffered (bounded), close the stream."""
+        """Stop serving workers and checking the node, flush what is buffered (bounded),
+        close the stream."""
+        self._checker.close()
         if self._server is not None:
             self._server.stop(grace=1.0).wait(timeout=5)
             self._server = None

@@ -11,7 +11,8 @@ cluster.yaml does not copy these fields: its ``agent:`` section embeds
 ``AGENT_SECTION_FIELDS`` of this model (next to the workers' two reporting intervals,
 which ``WorkerSpec`` owns), and ``controller.heartbeat_interval_s`` /
 ``controller.max_message_bytes`` the two link fields (``controlplane/config.py``), so
-the keys, defaults, bounds and descriptions exist only here.
+the keys, defaults, bounds and descriptions exist only here. ``GEMM_FIELDS`` (the node's
+known-answer GEMM test) belong in cluster.yaml's ``sdc:`` section.
 
 Invariant checked at construction: ``batch_max_bytes <= memory_max_bytes``.
 This module is not part of the agent's runtime: it imports neither grpc nor the uplink,
@@ -32,6 +33,8 @@ AGENT_SECTION_FIELDS = (
 #: Fields that cluster.yaml keeps in its ``controller:`` section (the controller sets them
 #: for every agent it starts).
 LINK_FIELDS = ("heartbeat_interval_s", "max_message_bytes")
+#: Fields of the node's known-answer GEMM test (``agent.gemm_check``), cluster.yaml's ``sdc:``.
+GEMM_FIELDS = ("gemm_size", "gemm_interval_s")
 
 
 def check_batch_fits_memory(batch_max_bytes: int, memory_max_bytes: int) -> None:
@@ -80,6 +83,14 @@ class AgentSettings(BaseModel):
         description="Largest gRPC message the controller accepts, bytes. Must exceed "
         "agent.batch_max_bytes by 64 KiB; a single event larger than this minus 64 KiB is "
         "dropped by its agent (and reported).",
+    )
+
+    gemm_size: int = Field(
+        256, ge=16, le=8192, description="Known-answer GEMM test: size of its square matrices.")
+    gemm_interval_s: float = Field(
+        600.0, ge=0, le=30 * 86400,
+        description="Seconds between known-answer GEMM tests an agent runs while its node has no ranks "
+        "(0 = only on demand, before placement and before release).",
     )
 
     @model_validator(mode="after")

@@ -7,7 +7,9 @@ store's single writer (``IngestWriter``), which commits it idempotently, keyed b
 recorded as dropped and acked as rejected, in its place in the stream's order.
 An optional observer (the controller's watchdog) sees every valid batch's rows on the
 receiver thread before they are queued; it must be cheap, and its errors are logged,
-never allowed to break ingest.
+never allowed to break ingest. Node checks (``on_node_check``, the controller's
+``node_checks.NodeChecks.observe``) are handed each known-answer GEMM result of a valid
+batch, with the stream's node, once the batch is queued; their errors are logged too.
 Heartbeats update the node's liveness and health samples; DropReports (events an agent
 lost) are stored in ``ingest_drops``. The response generator sends the Welcome, the
 acks and any commands posted for that node.
@@ -27,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 
 #: Sees each valid batch's rows: (node name of the agent, rows). Called on a receiver thread.
 BatchObserver = Callable[[str, PreparedBatch], None]
+#: Takes one node check result: (node name of the agent, its "gemm" SdcCheckEvent).
+NodeCheckSink = Callable[[str, events_pb2.SdcCheckEvent], None]
 
 
 @dataclass
@@ -136,10 +140,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
     Owns the ``IngestWriter``; ``close()`` commits what is queued and stops it.
     ``observer`` (optional) is shown every batch that passed validation, before the
-    writer gets it."""
+    writer gets it; ``on_node_check`` (optional) every node check result in one."""
 
     def __init__(self, store: Store, registry: AgentRegistry, token: str, controller_id: str,
-                 metrics: ControllerMetrics | None = None, observer: BatchObserver | None = None) -> None:
+                 metrics: ControllerMetrics | None = None, observer: BatchObserver | None = None,
+                 on_node_check: NodeCheckSink | None = None) -> None:
         self._store = store
         self._registry = registry
         self._token = token
@@ -148,6 +153,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self.writer = IngestWriter(store, self.metrics)
         self._observer = observer
         self._observer_failed = False
+        self._on_node_check = on_node_check
 
     def close(self) -> None:
         """Commit what is queued, stop the writer and the metrics endpoint, if served."""
@@ -273,7 +279,18 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         while not self.writer.put(item, timeout_s=0.5):
             if session.done.is_set():
                 return False
+        if rows is not None and rows.sdc and self._on_node_check is not None:
+            self._node_checks(session, batch.events)
         return True
+
+    def _node_checks(self, session: AgentSession, events: Iterable[events_pb2.Event]) -> None:
+        for event in events:
+            if event.WhichOneof("kind") != "sdc" or event.sdc.kind != "gemm":
+                continue
+            try:
+                self._on_node_check(session.node_name, event.sdc)  # type: ignore[misc]
+            except Exception:
+                log.exception("agent %s: handling a node check failed (ingest goes on)", session.agent_id)
 
     def _observe(self, session: AgentSession, rows: PreparedBatch) -> None:
         try:

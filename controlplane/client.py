@@ -42,9 +42,11 @@ class ControlClient:
         info = auth.read_controller_info(Path(state_dir))
         return cls(address or info.address, info.token, tls=info.tls_files())
 
-    def _call(self, method, request):  # noqa: ANN001
+    def _call(self, method, request, wait_s: float = 0.0):  # noqa: ANN001
+        """``wait_s``: how long the call itself may take on the server, on top of the
+        client's timeout."""
         try:
-            return method(request, metadata=self._metadata, timeout=self._timeout_s)
+            return method(request, metadata=self._metadata, timeout=self._timeout_s + wait_s)
         except grpc.RpcError as exc:
             err = error_class(exc.code())
             detail = exc.details() or exc.code().name
@@ -74,6 +76,12 @@ class ControlClient:
             fault.bit = bit
         req = control_pb2.InjectFaultRequest(job_id=job_id, rank=rank, node=node, fault=fault)
         return self._call(self._stub.InjectFault, req)
+
+    def check_node(self, node: str, timeout_s: float = 30.0) -> control_pb2.NodeCheckReply:
+        """Have the controller run the known-answer GEMM test on ``node`` now and wait up
+        to ``timeout_s`` seconds for the verdict (``NodeCheckReply.verdict``)."""
+        return self._call(self._stub.CheckNode, control_pb2.CheckNodeRequest(node=node, timeout_s=timeout_s),
+                          wait_s=timeout_s)
 
     def stop_job(self, job_id: str, reason: str = "") -> str:
         return self._call(self._stub.StopJob, control_pb2.StopJobRequest(job_id=job_id, reason=reason)).state

@@ -1,7 +1,8 @@
 """ControlService: what operators and the CLI ask of a running controller.
 
 Thin: validates the token and the request, calls the controller's ``JobControl``
-methods, and turns ``FleetError``s into gRPC status codes.
+methods (``CheckNode``: its ``NodeCheckRunner``, ``node_checks.NodeChecks``), and turns
+``FleetError``s into gRPC status codes.
 """
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
 from fleet.controlplane.auth import tokens_equal
 from fleet.controlplane.chaos import validate_order
 from fleet.controlplane.chaos_fire import order_of
-from fleet.controlplane.errors import FleetError
+from fleet.controlplane.errors import ConfigError, FleetError, UnavailableError
 from fleet.controlplane.grpc_errors import status_code
 from fleet.proto import control_pb2, control_pb2_grpc, events_pb2
 from fleet.proto.contract import TOKEN_METADATA_KEY
@@ -36,6 +37,17 @@ class JobControl(Protocol):
     ) -> control_pb2.InjectFaultReply: ...
 
     def stop_job(self, job_id: str, reason: str) -> str: ...
+
+
+class NodeCheckRunner(Protocol):
+    """Runs known-answer GEMM tests on nodes (``node_checks.NodeChecks``)."""
+
+    def check(self, nodes: list[str], timeout_s: float, *, job_id: str = "", attempt: int = 0,
+              purpose: str = "on demand") -> dict[str, Any]: ...
+
+
+#: The longest a CheckNode call may wait for its result, seconds.
+CHECK_NODE_MAX_TIMEOUT_S = 600.0
 
 
 Req = TypeVar("Req")
@@ -58,9 +70,12 @@ def _guarded(method: Callable[..., Resp]) -> Callable[..., Resp]:
 
 
 class ControlServicer(control_pb2_grpc.ControlServiceServicer):
-    def __init__(self, control: JobControl, token: str) -> None:
+    """``node_checks``: what CheckNode runs (None: this controller answers it UNAVAILABLE)."""
+
+    def __init__(self, control: JobControl, token: str, node_checks: NodeCheckRunner | None = None) -> None:
         self._control = control
         self._token = token
+        self._node_checks = node_checks
 
     @_guarded
     def ListJobs(self, request: control_pb2.ListJobsRequest, context: grpc.ServicerContext) -> control_pb2.ListJobsReply:
@@ -81,3 +96,18 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     @_guarded
     def StopJob(self, request: control_pb2.StopJobRequest, context: grpc.ServicerContext) -> control_pb2.StopJobReply:
         return control_pb2.StopJobReply(state=self._control.stop_job(request.job_id, request.reason))
+
+    @_guarded
+    def CheckNode(self, request: control_pb2.CheckNodeRequest,
+                  context: grpc.ServicerContext) -> control_pb2.NodeCheckReply:
+        if not request.node:
+            raise ConfigError("node: must name a node")
+        if not 0 < request.timeout_s <= CHECK_NODE_MAX_TIMEOUT_S:
+            raise ConfigError(f"timeout_s: must be in (0, {CHECK_NODE_MAX_TIMEOUT_S:g}] (got {request.timeout_s:g})")
+        if self._node_checks is None:
+            raise UnavailableError("this controller runs no node checks")
+        c = self._node_checks.check([request.node], request.timeout_s, purpose="release")[request.node]
+        return control_pb2.NodeCheckReply(
+            node=c.node, verdict=c.verdict, reason=c.reason, quarantined=c.quarantined, error=c.error,
+            bound=c.bound, row=c.row, col=c.col, dtype=c.dtype, size=c.size, device=c.device,
+            duration_s=c.duration_s, at=c.at)

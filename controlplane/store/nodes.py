@@ -8,6 +8,8 @@ Invariants:
   ``node_transitions`` row naming the actor (``NodeActor``) and the job involved, if
   any; a move to the state the node is already in writes nothing.
 - Host health samples are append-only, read back by node in time order.
+- A node's known-answer GEMM tests are its ``sdc_checks`` rows of kind "gemm" (stored by
+  ingest like any event, with or without a job); its last verdict is ``nodes.health``.
 """
 
 from __future__ import annotations
@@ -24,8 +26,17 @@ from fleet.controlplane.errors import NotFoundError
 from fleet.controlplane.lifecycle import NodeActor, NodeState, check_transition
 from fleet.controlplane.store.base import StoreBase
 from fleet.controlplane.store.engine import upsert
-from fleet.controlplane.store.records import HealthRecord, NodeRecord, NodeTransitionRecord, RankRecord
-from fleet.controlplane.store.schema import HealthSample, Node, NodeTransition, Rank
+from fleet.controlplane.store.records import (
+    HealthRecord,
+    NodeRecord,
+    NodeTransitionRecord,
+    RankRecord,
+    SdcCheckRecord,
+)
+from fleet.controlplane.store.schema import HealthSample, Node, NodeTransition, Rank, SdcCheck
+
+#: ``sdc_checks.kind`` of a node's known-answer GEMM test.
+GEMM_CHECK = "gemm"
 
 
 class NodeMethods(StoreBase):
@@ -126,6 +137,30 @@ class NodeMethods(StoreBase):
                             .values(health=health, health_reason=reason))
             if res.rowcount == 0:
                 raise NotFoundError(f"node {name!r} not found")
+
+    def gemm_checks(self, node: str, limit: int = 100) -> list[SdcCheckRecord]:
+        """The node's latest ``limit`` known-answer GEMM tests, oldest first."""
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(SdcCheck).where(SdcCheck.node == node, SdcCheck.kind == GEMM_CHECK)
+                             .order_by(SdcCheck.time_ns.desc(), SdcCheck.id.desc()).limit(limit)).all()
+            return [self._sdc_record(r) for r in reversed(rows)]
+
+    def last_gemm_checks(self) -> dict[str, SdcCheckRecord]:
+        """Each node's latest known-answer GEMM test, by node name."""
+        newest = (select(SdcCheck.node, func.max(SdcCheck.time_ns).label("t"))
+                  .where(SdcCheck.kind == GEMM_CHECK, SdcCheck.node.is_not(None))
+                  .group_by(SdcCheck.node).subquery())
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(SdcCheck).join(newest, (SdcCheck.node == newest.c.node)
+                                                   & (SdcCheck.time_ns == newest.c.t))
+                             .where(SdcCheck.kind == GEMM_CHECK).order_by(SdcCheck.id)).all()
+            return {r.node: self._sdc_record(r) for r in rows}
+
+    @staticmethod
+    def _sdc_record(r: SdcCheck) -> SdcCheckRecord:
+        return SdcCheckRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, rank=r.rank, node=r.node,
+                              step=r.step, kind=r.kind, value=r.value, expected=r.expected, ok=r.ok,
+                              detail=r.detail, time_ns=r.time_ns)
 
     def list_nodes(self) -> list[NodeRecord]:
         with self._tx(write=False) as s:

@@ -105,3 +105,41 @@ class StopJobReply(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     state: str
     def __init__(self, state: _Optional[str] = ...) -> None: ...
+
+class CheckNodeRequest(_message.Message):
+    __slots__ = ("node", "timeout_s")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    timeout_s: float
+    def __init__(self, node: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class NodeCheckReply(_message.Message):
+    __slots__ = ("node", "verdict", "reason", "quarantined", "error", "bound", "row", "col", "dtype", "size", "device", "duration_s", "at")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BOUND_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    COL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    verdict: str
+    reason: str
+    quarantined: bool
+    error: float
+    bound: float
+    row: int
+    col: int
+    dtype: str
+    size: int
+    device: str
+    duration_s: float
+    at: float
+    def __init__(self, node: _Optional[str] = ..., verdict: _Optional[str] = ..., reason: _Optional[str] = ..., quarantined: _Optional[bool] = ..., error: _Optional[float] = ..., bound: _Optional[float] = ..., row: _Optional[int] = ..., col: _Optional[int] = ..., dtype: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[str] = ..., duration_s: _Optional[float] = ..., at: _Optional[float] = ...) -> None: ...

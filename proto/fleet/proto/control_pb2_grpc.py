@@ -55,6 +55,11 @@ class ControlServiceStub:
                 request_serializer=fleet_dot_proto_dot_control__pb2.StopJobRequest.SerializeToString,
                 response_deserializer=fleet_dot_proto_dot_control__pb2.StopJobReply.FromString,
                 _registered_method=True)
+        self.CheckNode = channel.unary_unary(
+                '/fleet.v1.ControlService/CheckNode',
+                request_serializer=fleet_dot_proto_dot_control__pb2.CheckNodeRequest.SerializeToString,
+                response_deserializer=fleet_dot_proto_dot_control__pb2.NodeCheckReply.FromString,
+                _registered_method=True)
 
 
 class ControlServiceServicer:
@@ -84,6 +89,12 @@ class ControlServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +117,11 @@ def add_ControlServiceServicer_to_server(servicer, server):
                     servicer.StopJob,
                     request_deserializer=fleet_dot_proto_dot_control__pb2.StopJobRequest.FromString,
                     response_serializer=fleet_dot_proto_dot_control__pb2.StopJobReply.SerializeToString,
+            ),
+            'CheckNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckNode,
+                    request_deserializer=fleet_dot_proto_dot_control__pb2.CheckNodeRequest.FromString,
+                    response_serializer=fleet_dot_proto_dot_control__pb2.NodeCheckReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +232,33 @@ class ControlService:
             '/fleet.v1.ControlService/StopJob',
             fleet_dot_proto_dot_control__pb2.StopJobRequest.SerializeToString,
             fleet_dot_proto_dot_control__pb2.StopJobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.ControlService/CheckNode',
+            fleet_dot_proto_dot_control__pb2.CheckNodeRequest.SerializeToString,
+            fleet_dot_proto_dot_control__pb2.NodeCheckReply.FromString,
             options,
             channel_credentials,
             insecure,
