@@ -6,7 +6,8 @@ print them as tables or JSON. Each incident carries the failed program's ``exit_
 (negative: killed by that signal) and ``traceback`` ("" when none). The verdict itself
 is the diagnosis engine's, over traces it builds from the store
 (``controlplane.diagnosis.source``: the Store is a ``TraceSource``). A checkpoint's ``valid`` is the store's flag, which follows the disk
-manifest's verification (see ``Store.invalidate_checkpoint``).
+manifest's verification (see ``Store.invalidate_checkpoint``). ``sdc`` is the job's (or
+attempt's) silent-data-corruption checks and incidents (``controlplane.sdc.sdc_section``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from statistics import median
 from typing import Any
 
 from fleet.controlplane.diagnosis import diagnose_attempt
+from fleet.controlplane.sdc import sdc_section
 from fleet.controlplane.store import Store
 
 
@@ -58,6 +60,8 @@ def replay_report(store: Store, job_id: str, attempt: int | None = None) -> dict
                 "steps": _step_timeline(steps),
             }
         )
+    incidents = [i for i in store.incidents(job_id) if attempt is None or i.attempt == attempt]
+    placements = {a["attempt"]: {r["rank"]: r["node"] for r in a["ranks"]} for a in out_attempts}
     return {
         "job": {
             "id": job.id,
@@ -73,9 +77,9 @@ def replay_report(store: Store, job_id: str, attempt: int | None = None) -> dict
             {"attempt": i.attempt, "kind": i.kind, "rank": i.rank, "node": i.node,
              "detector": i.detector, "evidence": i.evidence, "detected_at": i.detected_at,
              "exit_code": i.exit_code, "traceback": i.traceback}
-            for i in store.incidents(job_id)
-            if attempt is None or i.attempt == attempt
+            for i in incidents
         ],
+        "sdc": sdc_section(store.sdc_checks(job_id, attempt), incidents, placements),
         "checkpoints": [
             {"step": c.step, "attempt": c.attempt, "path": c.path, "valid": c.valid}
             for c in store.checkpoints(job_id)

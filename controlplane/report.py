@@ -36,6 +36,11 @@ restore, first step: seconds), ``restored_step``, ``restored_from`` and ``steps_
 Incidents acted on while the attempt ran on (agent loss, straggler, loss spike) have
 ``ended_attempt`` false and no recovery.
 
+``sdc`` sums up its silent-data-corruption checks and incidents (``controlplane.sdc.sdc_section``):
+fingerprint checks run, mismatches, triggers, replays, every triage's verdict, and per SDC
+incident its first bad step, suspect rank and node, triage steps, verdict, replays and
+rollback point.
+
 A job that ran without the step API (attempts, but no step rows at all) has ``ettr``
 None: its productive time cannot come from steps. ``attempts_detail`` gives every job's
 wall time by attempt (``number``, ``state``, ``started_at``, ``ended_at``, ``wall_s``,
@@ -49,6 +54,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleet.controlplane.lifecycle import NodeState
+from fleet.controlplane.sdc import sdc_section
 from fleet.controlplane.store import (
     ActionRecord,
     AttemptRecord,
@@ -57,6 +63,7 @@ from fleet.controlplane.store import (
     JobRecord,
     NodeRecord,
     RecoveryRecord,
+    SdcCheckRecord,
     StepRecord,
     Store,
 )
@@ -84,11 +91,13 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
                incidents: Sequence[IncidentRecord], actions: Sequence[ActionRecord],
                checkpoints: Sequence[CheckpointRecord], nodes: Sequence[NodeRecord],
                now: float, recoveries: Sequence[RecoveryRecord] = (),
-               progress: Mapping[int, float | None] | None = None) -> dict[str, Any]:
+               progress: Mapping[int, float | None] | None = None, sdc_checks: Sequence[SdcCheckRecord] = (),
+               placements: Mapping[int, Mapping[int, str]] | None = None) -> dict[str, Any]:
     """The report of one job as a JSON-ready dict (see the module docstring).
 
     ``progress``: incident id -> the last progress before it in its attempt (Unix
-    seconds, None when there was none), as ``load_report`` reads it from the store."""
+    seconds, None when there was none), as ``load_report`` reads it from the store;
+    ``sdc_checks``: the job's SDC check rows; ``placements``: attempt -> rank -> node."""
     timeline = _timeline(steps)
     numbers = sorted(a.number for a in attempts)
     restored = {a.number: a.restored_step or 0 for a in attempts}
@@ -193,6 +202,7 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         "quarantines": [a.cause for a in actions if a.kind == "quarantine"],
         "checkpoints": [{"step": c.step, "attempt": c.attempt, "valid": c.valid} for c in checkpoints],
         "invalid_checkpoints": [a.cause for a in actions if a.kind == CKPT_INVALID],
+        "sdc": sdc_section(sdc_checks, incidents, placements or {}),
     }
 
 
@@ -204,6 +214,15 @@ def load_report(store: Store, job_id: str, now: float) -> dict[str, Any]:
     for i in incidents:
         seen = store.last_progress_ns(job_id, i.attempt, int(i.detected_at * 1e9))
         progress[i.id] = None if seen is None else seen / 1e9
+    checks = store.sdc_checks(job_id)
     return job_report(store.get_job(job_id), store.get_attempts(job_id), store.steps(job_id), incidents,
                       store.actions(job_id), store.checkpoints(job_id), store.list_nodes(), now,
-                      store.recoveries(job_id), progress=progress)
+                      store.recoveries(job_id), progress=progress, sdc_checks=checks,
+                      placements=sdc_placements(store, job_id, checks))
+
+
+def sdc_placements(store: Store, job_id: str, checks: Sequence[SdcCheckRecord]) -> dict[int, dict[int, str]]:
+    """attempt -> rank -> node for the attempts that have a triage verdict (a verdict row
+    names its suspect rank, not its node)."""
+    attempts = sorted({c.attempt for c in checks if c.kind == "verdict"})
+    return {a: {r.rank: r.node for r in store.ranks(job_id, a)} for a in attempts}

@@ -15,13 +15,14 @@ a JSON object. ``SdcVerdict.from_row`` parses one, tolerating a detail that is n
 expected JSON (the text becomes the evidence): a worker's report must never break the
 controller. A persistent verdict reaches the controller as the ranks' ``SdcError``
 (``SdcFailure`` here, the plain values the runtime hands over); the others are seen by the
-watchdog in the store. Pure: no store, no Ray, no gRPC.
+watchdog in the store. ``sdc_section`` is what `fleet report` and `fleet replay` show of a
+job's checks and SDC incidents. Pure: no store, no Ray, no gRPC.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -142,6 +143,68 @@ class SdcVerdict:
                 "suspect_node": node, "suspects": list(self.suspects), "verdict": self.verdict,
                 "state": self.state, "replays": self.replays, "rollback_step": self.rollback_step,
                 "triage": list(self.triage), "evidence": self.evidence}
+
+
+class CheckRow(VerdictRow, Protocol):
+    """An SDC check row (``store.SdcCheckRecord``)."""
+
+    kind: str
+    ok: bool
+
+
+class SdcIncidentRow(Protocol):
+    """An incident row (``store.IncidentRecord``)."""
+
+    attempt: int
+    kind: str
+    rank: int | None
+    node: str | None
+    detector: str
+    evidence: str
+
+
+def sdc_section(checks: Sequence[CheckRow], incidents: Sequence[SdcIncidentRow],
+                nodes: Mapping[int, Mapping[int, str]]) -> dict[str, Any]:
+    """A job's SDC checks and incidents as a JSON-ready dict.
+
+    ``checks``: its SDC check rows; ``incidents``: its incidents (other kinds are skipped);
+    ``nodes``: attempt -> rank -> node (the placement: verdict rows name no node).
+    Counts: ``fingerprint_checks`` (checked steps: one per (attempt, step) with fingerprints),
+    ``fingerprints`` (rows), ``mismatches`` (checked steps where some copy disagreed),
+    ``triggers``, ``replays``. ``verdicts``: every triage, clean ones included. ``incidents``:
+    each SDC incident with the fields of its triage's verdict (first bad step, suspect rank
+    and node, state, replays, triage, rollback point; None where no verdict row matches it)."""
+    fingerprints = [c for c in checks if c.kind == "fingerprint"]
+    checked = {(c.attempt, c.step) for c in fingerprints}
+    mismatched = {(c.attempt, c.step) for c in fingerprints if not c.ok}
+    verdicts = [SdcVerdict.from_row(c) for c in checks if c.kind == "verdict"]
+
+    def node_of(v: SdcVerdict) -> str:
+        return nodes.get(v.attempt, {}).get(v.suspect, "") if v.suspect >= 0 else ""
+
+    unmatched = list(verdicts)
+    out_incidents = []
+    for i in incidents:
+        if i.kind != "sdc":
+            continue
+        rank = -1 if i.rank is None else i.rank
+        match = next((v for v in unmatched if v.attempt == i.attempt and v.suspect == rank
+                      and detector_of(v.verdict) == i.detector), None)
+        if match is not None:
+            unmatched.remove(match)
+            fields = match.to_json(i.node or node_of(match))
+        else:
+            fields = {k: None for k in SdcVerdict(0, 0, -1, "").to_json()} | {
+                "attempt": i.attempt, "suspect_rank": rank, "suspect_node": i.node or "",
+                "verdict": i.detector.removeprefix("sdc_")}
+        out_incidents.append({**fields, "detector": i.detector, "incident_evidence": i.evidence})
+    return {
+        "fingerprint_checks": len(checked), "fingerprints": len(fingerprints), "mismatches": len(mismatched),
+        "triggers": sum(1 for c in checks if c.kind == "trigger"),
+        "replays": sum(1 for c in checks if c.kind == "replay"),
+        "verdicts": [v.to_json(node_of(v)) for v in verdicts],
+        "incidents": out_incidents,
+    }
 
 
 def _int(value: Any) -> int | None:

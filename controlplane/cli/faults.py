@@ -63,9 +63,9 @@ def inject_fault(
     else:
         aimed = reply.node or f"job {job}"
     when = f"at step {at_step}" if at_step else f"in {after:g} s" if after else "now"
-    console.print(
-        f"injected [bold]{replace(order, rank=-1, node='', at_step=0, after_s=0.0).describe()}[/] into {aimed} (attempt {reply.attempt}, {when}); "
-        f"command {reply.command_id}", highlight=False)
+    what = replace(order, rank=-1, node="", at_step=0, after_s=0.0).describe()  # the kind, and how for sdc
+    console.print(f"injected [bold]{what}[/] into {aimed} (attempt {reply.attempt}, {when}); "
+                  f"command {reply.command_id}", highlight=False)
 
 
 inject_fault.__doc__ = f"{inject_fault.__doc__}\n\n{_KINDS_HELP}"

@@ -137,7 +137,7 @@ def _replay_job(job_id: str, attempt: int | None, view: _View, perfetto: Path | 
             "findings": []}
         print_json({**top, "job": report["job"], "attempts": report["attempts"],
                     "incidents": report["incidents"], "checkpoints": report["checkpoints"],
-                    "events_lost": report["events_lost"]})
+                    "events_lost": report["events_lost"], "sdc": report["sdc"]})
         return
     _print_job(report, last_steps)
 
@@ -177,6 +177,23 @@ def _print_diagnosis(d: dict[str, Any], title: str) -> None:
             console.print(f"... {len(waves) - 200} more rows (use --rank/--group or --json)")
 
 
+def sdc_line(v: dict[str, Any]) -> str:
+    """One SDC incident in a line: verdict, first bad step, suspect, triage, rollback point."""
+    if v["first_bad_step"] is None:  # no verdict row matched it: its evidence says what is known
+        return f"{v['verdict'].upper()} {v['incident_evidence']}"
+    suspect = f"rank {v['suspect_rank']}" + (f" on {v['suspect_node']}" if v["suspect_node"] else "") \
+        if v["suspect_rank"] >= 0 else "no suspect"
+    line = f"{v['verdict'].upper()} from step {v['first_bad_step']}, {suspect}"
+    if v["state"]:
+        line += f" ({v['state']})"
+    line += f", {v['replays']} replay(s)"
+    if v["rollback_step"] is not None:
+        line += f", rolled back to step {v['rollback_step']}"
+    if v["triage"]:
+        line += "; triage: " + "; ".join(v["triage"])
+    return line
+
+
 def _short(ranks: list[int]) -> str:
     return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)} ranks"
 
@@ -212,6 +229,10 @@ def _print_job(report: dict[str, Any], last_steps: int) -> None:
         )
         nodes = {r["rank"]: r["node"] for r in a["ranks"]}
         _print_diagnosis(a["diagnosis"], title=f"attempt {a['attempt']}")
+        for v in report["sdc"]["incidents"]:
+            if v["attempt"] == a["attempt"]:
+                console.print(f"attempt {a['attempt']}: [red]SDC[/] {sdc_line(v)}", highlight=False,
+                              soft_wrap=True)
         print_table(
             "collectives per rank and group",
             ["rank", "node", "group", "#ops", "seq range", "consecutive", "#done", "last done", "ops", "mean ms"],

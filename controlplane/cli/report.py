@@ -25,7 +25,8 @@ def report(
 ) -> None:
     """ETTR (productive step time / wall time), lost time by category, wall time by
     attempt, incidents with their detection and recovery times, exit codes and
-    tracebacks, restarts and quarantines."""
+    tracebacks, silent data corruption (checks, triage, verdict, rollback point),
+    restarts and quarantines."""
     from fleet.controlplane.report import load_report
 
     with open_store(store, cluster) as st:
@@ -69,6 +70,7 @@ def report(
             print_table("recovery by phase (s)", ["attempt", *phases, "failure to first step"],
                         [[i["attempt"], *(f"{i['phases'][p]:.2f}" for p in phases),
                           f"{i['failure_to_first_step_s']:.2f}"] for i in timed])
+    print_sdc(out["sdc"])
     for cause in out["quarantines"]:
         console.print(f"[yellow]quarantine:[/] {cause}", highlight=False)
     if out["checkpoints"]:
@@ -77,6 +79,31 @@ def report(
             highlight=False)
     for cause in out["invalid_checkpoints"]:
         console.print(f"[yellow]{cause}[/]", highlight=False)
+
+
+def print_sdc(sdc: dict) -> None:
+    """The SDC section: check counts, then one row per SDC incident (or triage without one)."""
+    if not (sdc["fingerprint_checks"] or sdc["triggers"] or sdc["verdicts"] or sdc["incidents"]):
+        return
+    console.print(f"silent data corruption: {sdc['fingerprint_checks']} fingerprint check(s) "
+                  f"({sdc['fingerprints']} fingerprints), {sdc['mismatches']} mismatch(es), "
+                  f"{sdc['triggers']} trigger(s), {sdc['replays']} replay(s)", highlight=False)
+    rows = sdc["incidents"] or [v for v in sdc["verdicts"] if v["verdict"] != "clean"]
+    if rows:
+        print_table("SDC incidents", ["attempt", "verdict", "first bad step", "suspect", "node", "state",
+                                      "replays", "rolled back to", "triage"],
+                    [sdc_row(v) for v in rows])
+    clean = sum(1 for v in sdc["verdicts"] if v["verdict"] == "clean")
+    if clean:
+        console.print(f"{clean} trigger triage(s) found no corruption (clean)", highlight=False)
+
+
+def sdc_row(v: dict) -> list[object]:
+    """One SDC incident (or verdict) as a table row."""
+    suspect = "-" if v["suspect_rank"] is None or v["suspect_rank"] < 0 else f"rank {v['suspect_rank']}"
+    triage = "\n".join(v["triage"] or []) or v["evidence"] or v.get("incident_evidence") or "-"
+    return [v["attempt"], v["verdict"], _dash(v["first_bad_step"]), suspect, v["suspect_node"] or "-",
+            v["state"] or "-", _dash(v["replays"]), _dash(v["rollback_step"]), triage]
 
 
 def _dash(value: object) -> object:

@@ -67,3 +67,57 @@ def test_no_controller_is_unavailable() -> None:
     with ControlClient(f"127.0.0.1:{port}", TOKEN, timeout_s=2) as client:
         with pytest.raises(UnavailableError, match="not reachable"):
             client.list_jobs()
+
+
+# -- the controller's own JobService: sdc faults need a copy to compare ------------------------
+
+@pytest.fixture
+def live_service(store, tmp_path):  # noqa: ANN001, ANN201
+    """A real JobService over a real gRPC server, its job running attempt 1 on 4 ranks, and
+    a state dir whose controller.json points the CLI at it."""
+    import os
+
+    from fleet.controlplane import auth
+    from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
+    from fleet.controlplane.control_server import ControlServicer
+    from fleet.controlplane.grpc_server import ControllerServer
+    from fleet.controlplane.job_control import JobService, LiveJob
+
+    job = LiveJob(job_id=store.create_job("sdc-refusal", total_steps=10, config_json="{}"))
+    store.set_job_state(job.job_id, JobState.PLACING)
+    store.create_attempt(job.job_id)
+    submitted = []
+    service = JobService(store, job)
+    service.take_faults(submitted.append)
+    server = ControllerServer(AgentServicer(store, AgentRegistry(), TOKEN, controller_id="ctl-test"),
+                              ControlServicer(service, TOKEN), port=0).start()
+    auth.write_controller_info(tmp_path, auth.ControllerInfo(server.address, TOKEN, job.job_id, os.getpid()))
+    try:
+        yield job, submitted, tmp_path
+    finally:
+        server.close()
+
+
+def test_an_sdc_fault_on_a_layout_without_copies_is_refused(live_service, capsys) -> None:  # noqa: ANN001
+    from fleet.controlplane.cli.main import main
+    from fleet.controlplane.sdc import copies_problem
+
+    job, submitted, state_dir = live_service
+    nodes = ["node-0", "node-0", "node-1", "node-1"]
+    job.move_to(1, nodes, no_copies=copies_problem("fsdp", 4, 2))
+    argv = ["inject-fault", "--job", job.job_id, "--kind", "sdc", "--rank", "1", "--bit", "30",
+            "--state-dir", str(state_dir)]
+    assert main(argv) == ConfigError.exit_code
+    out, err = capsys.readouterr()
+    lines = [ln for ln in (out + err).splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in out + err, out + err
+    assert f"--kind sdc: job {job.job_id} has no copy of the corrupted state to compare" in lines[0]
+    assert "fsdp shards" in lines[0]
+    assert submitted == []
+    # other kinds still go; and on a layout with copies, sdc does, whole
+    assert main([*argv[:3], "--kind", "crash", "--rank", "1", "--state-dir", str(state_dir)]) == 0
+    job.move_to(1, nodes, no_copies="")
+    assert main([*argv, "--target", "optimizer", "--persistent", "--at-step", "12"]) == 0
+    assert [(o.kind, o.rank) for o in submitted] == [("crash", 1), ("sdc", 1)]
+    assert (submitted[1].bit, submitted[1].target, submitted[1].persistent, submitted[1].at_step) == (
+        30, "optimizer", True, 12)

@@ -155,3 +155,80 @@ def test_replay_lists_incidents_with_exit_code_and_traceback(store: Store, store
     text = capsys.readouterr().out
     assert "rank 1 exited; exit code 3" in text
     assert "    RuntimeError: loss went to the moon" in text and "line 4, in frame_4" not in text
+
+
+def _sdc(job_id: str, attempt: int, rank: int, step: int, kind: str, value: str, ok: bool,
+         detail: str = "") -> pb.Event:
+    return pb.Event(sdc=pb.SdcCheckEvent(job_id=job_id, attempt=attempt, rank=rank, step=step, kind=kind,
+                                         value=value, expected="d0", ok=ok, detail=detail, time_ns=time.time_ns()))
+
+
+def _sdc_job(store: Store) -> str:
+    """Attempt 1 on 4 ranks over 2 nodes: a transient flip at step 31 (rolled back in memory),
+    then a persistent one at step 61 that ended it; attempt 2 runs."""
+    job = _two_attempts(store, "sdc")
+    for attempt in (1, 2):
+        for rank, node in enumerate(["node-0", "node-0", "node-1", "node-1"]):
+            store.record_rank(job, attempt, rank, node, 100 + rank)
+    transient = json.dumps({"first_bad_step": 31, "suspects": [2], "state": "weights", "replays": 1,
+                            "rollback_step": 30, "triage": ["step 40: rank 2's weights differ from ranks [0, 1, 3]",
+                                                            "replay 1 of steps 31..40: rank 2 agrees now"],
+                            "evidence": "the flip did not repeat"})
+    persistent = json.dumps({"first_bad_step": 61, "suspects": [3], "state": "weights+optimizer", "replays": 1,
+                             "rollback_step": 60, "triage": ["step 70: rank 3 differs", "replay 1: rank 3 "
+                                                             "differs again"], "evidence": "it repeats"})
+    events = [_sdc(job, 1, r, s, "fingerprint", "d0", ok=not (r, s) in ((2, 40), (3, 70)))
+              for s in (10, 20, 30, 40, 50, 60, 70) for r in range(4)]
+    events += [_sdc(job, 1, r, 40, "replay", "d0", ok=True) for r in range(4)]
+    events += [_sdc(job, 1, 0, 44, "trigger", "53.1", ok=False, detail="grad norm 53.1 > 10 x running median 2.3"),
+               _sdc(job, 1, 2, 40, "verdict", "transient", ok=False, detail=transient),
+               _sdc(job, 1, 0, 44, "verdict", "clean", ok=True, detail=json.dumps({"replays": 1, "triage": []})),
+               _sdc(job, 1, 3, 70, "verdict", "persistent", ok=False, detail=persistent)]
+    store.record_batch("a", 1, 1, events)
+    store.record_incident(job, 1, "sdc", "sdc_transient", "transient silent data corruption ...", rank=2,
+                          node="node-1")
+    store.record_incident(job, 1, "sdc", "sdc_persistent", "persistent silent data corruption ...", rank=3,
+                          node="node-1")
+    return job
+
+
+def test_report_shows_the_sdc_incidents(store: Store, store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    job = _sdc_job(store)
+    out = _report(store_url, job, capsys)["sdc"]
+    assert (out["fingerprint_checks"], out["fingerprints"], out["mismatches"], out["triggers"], out["replays"]) == (
+        7, 28, 2, 1, 4)
+    transient, persistent = out["incidents"]
+    assert {k: transient[k] for k in ("attempt", "verdict", "first_bad_step", "suspect_rank", "suspect_node",
+                                      "rollback_step", "replays", "detector")} == {
+        "attempt": 1, "verdict": "transient", "first_bad_step": 31, "suspect_rank": 2, "suspect_node": "node-1",
+        "rollback_step": 30, "replays": 1, "detector": "sdc_transient"}
+    assert (persistent["verdict"], persistent["first_bad_step"], persistent["suspect_rank"],
+            persistent["rollback_step"]) == ("persistent", 61, 3, 60)
+    assert persistent["triage"] == ["step 70: rank 3 differs", "replay 1: rank 3 differs again"]
+    assert [v["verdict"] for v in out["verdicts"]] == ["transient", "clean", "persistent"]
+
+    assert main(["report", job, "--store", store_url]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "silent data corruption: 7 fingerprint check(s) (28 fingerprints), 2 mismatch(es), 1 trigger(s), " \
+           "4 replay(s)" in text
+    assert "SDC incidents" in text and "weights+optimizer" in text and "replay 1 of steps 31..40" in text
+    assert "1 trigger triage(s) found no corruption (clean)" in text
+
+
+def test_replay_shows_the_sdc_incidents(store: Store, store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    job = _sdc_job(store)
+    capsys.readouterr()
+    assert main(["replay", job, "--store", store_url, "--json"]) == 0
+    sdc = json.loads(capsys.readouterr().out)["sdc"]
+    assert [(i["verdict"], i["first_bad_step"], i["suspect_node"]) for i in sdc["incidents"]] == [
+        ("transient", 31, "node-1"), ("persistent", 61, "node-1")]
+    assert main(["replay", job, "--store", store_url, "--attempt", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sdc"]["incidents"] == []
+    assert main(["replay", job, "--store", store_url]) == 0
+    lines = [" ".join(ln.split()) for ln in capsys.readouterr().out.splitlines()]
+    sdc_lines = [ln for ln in lines if ln.startswith("attempt 1: SDC")]
+    assert sdc_lines == [
+        "attempt 1: SDC TRANSIENT from step 31, rank 2 on node-1 (weights), 1 replay(s), rolled back to step 30; "
+        "triage: step 40: rank 2's weights differ from ranks [0, 1, 3]; replay 1 of steps 31..40: rank 2 agrees now",
+        "attempt 1: SDC PERSISTENT from step 61, rank 3 on node-1 (weights+optimizer), 1 replay(s), rolled back to "
+        "step 60; triage: step 70: rank 3 differs; replay 1: rank 3 differs again"], lines

@@ -493,3 +493,50 @@ def test_recent_collectives_are_a_bounded_window_with_the_laggards_last_entry(st
     assert (live.verdict, live.culprit_ranks) == (full.verdict, full.culprit_ranks) == ("hang", [1])
     assert "rank 1 never entered collective 101" in live.summary
     assert store.recent_collectives(job, 2, per_group=64) == []
+
+
+# -- (f) silent data corruption: triage verdicts the ranks went on after -----------------------
+
+def sdc_ev(job: str, rank: int, step: int, kind: str, value: str, ok: bool = True, detail: str = "",
+           attempt: int = 1) -> events_pb2.Event:
+    return events_pb2.Event(sdc=events_pb2.SdcCheckEvent(
+        job_id=job, attempt=attempt, rank=rank, node="", step=step, kind=kind, value=value, expected="d0",
+        ok=ok, detail=detail, time_ns=time.time_ns()))
+
+
+def _verdict(verdict: str, suspect: int, first: int, rollback: int) -> str:
+    import json
+
+    return json.dumps({"first_bad_step": first, "suspects": [suspect], "state": "weights", "replays": 1,
+                       "rollback_step": rollback, "triage": [f"step {first + 9}: rank {suspect} differs from the "
+                                                             "majority", "replay 1: it agrees now"],
+                       "evidence": "did not repeat"})
+
+
+def test_a_transient_sdc_verdict_is_one_side_incident(store: Store, job: str) -> None:
+    from fleet.controlplane.watchdog import SDC_SETTLE_S
+
+    incidents = Incidents()
+    with _watchdog(store, job, incidents) as wd:
+        wd.watch(1, NODES)
+        feed = Feed(store, wd)
+        feed.send([group_ev(job, r) for r in WORLD])
+        _healthy_steps(feed, job, range(1, 3), pace_s=0.05)
+        feed.send([sdc_ev(job, r, 10, "fingerprint", "d0" if r != 2 else "d1", ok=r != 2) for r in WORLD])
+        feed.send([sdc_ev(job, 2, 10, "verdict", "transient", ok=False, detail=_verdict("transient", 2, 1, 0)),
+                   sdc_ev(job, 0, 10, "verdict", "clean", detail=_verdict("clean", 0, 1, 0)),
+                   # a persistent one ends the attempt through SdcError; another attempt's is not watched
+                   sdc_ev(job, 3, 10, "verdict", "persistent", ok=False, detail=_verdict("persistent", 3, 1, 0)),
+                   sdc_ev(job, 1, 10, "verdict", "transient", ok=False, detail=_verdict("transient", 1, 1, 0),
+                          attempt=2)])
+        (inc,) = incidents.wait(1, timeout_s=SDC_SETTLE_S + 5.0)
+        assert (inc.kind, inc.detector, inc.rank, inc.node, inc.rollback_step) == (
+            "sdc", "sdc_transient", 2, "node-1", 0)
+        assert inc.evidence.startswith("transient silent data corruption first seen at step 1")
+        assert "suspect rank 2 on node-1" in inc.evidence and "triage: step 10" in inc.evidence
+        assert incidents.wait(2, timeout_s=SDC_SETTLE_S + 1.0) == [inc]   # each verdict once
+        # a later verdict (read after the first ones) is the next incident
+        feed.send([sdc_ev(job, 3, 20, "verdict", "ambiguous", ok=False, detail=_verdict("ambiguous", 3, 12, 10))])
+        got = incidents.wait(2, timeout_s=SDC_SETTLE_S + 5.0)
+        assert [(i.detector, i.rank, i.rollback_step) for i in got] == [
+            ("sdc_transient", 2, 0), ("sdc_ambiguous", 3, 10)]
