@@ -145,8 +145,8 @@ class GemmChecker:
     every element of every device and dtype is within its bound, ``detail`` a JSON
     object: ``command_id`` (the health_check command's, "" for an idle run), ``trigger``
     ("command" | "idle"), ``summary`` (one line), ``worst`` and ``results`` (each
-    ``GemmResult.to_dict()``). A test that cannot run at all is reported as failed, its
-    error in ``summary`` (and ``worst`` null)."""
+    ``GemmResult.to_dict()``). A test that cannot run at all is reported not ok with
+    ``error`` true, why in ``summary`` (and ``worst`` null)."""
 
     def __init__(self, node_name: str, size: int, interval_s: float,
                  submit: Callable[[events_pb2.Event], None], idle: Callable[[], bool]) -> None:
@@ -229,7 +229,7 @@ class GemmChecker:
             log.exception("%s: the GEMM test could not run", self.node_name)
             ok, value, expected = False, "", ""
             detail.update(summary=f"the GEMM test could not run: {type(exc).__name__}: {exc}", worst=None,
-                          results=[])
+                          results=[], error=True)
         if not ok:
             log.error("%s: known-answer GEMM test failed: %s", self.node_name, detail["summary"])
         return events_pb2.SdcCheckEvent(

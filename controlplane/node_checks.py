@@ -6,9 +6,9 @@ as one ``SdcCheckEvent`` of kind "gemm" (rank -1, the agent's node; the command'
 and attempt, or none for an idle run), which ingest stores in ``sdc_checks`` like any
 event, and which ``AgentServicer`` also hands to ``NodeChecks.observe``.
 
-``observe`` keeps each node's verdict: ``nodes.health`` becomes "ok" or "failed" with
-the one-line reason in ``health_reason``, and a failed test quarantines the node at
-once (actor policy, the reason naming the element, its error and bound): a product
+``observe`` keeps each node's verdict: ``nodes.health`` becomes "ok" or "failed" (or
+"error": the test could not run) with the one-line reason in ``health_reason``, and a
+failed test quarantines the node at once (actor policy, the reason naming the element, its error and bound): a product
 that misses a derived bound is proof of a defective unit, not a symptom to count.
 Results older than the newest one already seen for a node (an agent's resend after a
 reconnect) change nothing.
@@ -43,9 +43,10 @@ log = logging.getLogger(__name__)
 
 #: ``SdcCheckEvent.kind`` of a known-answer GEMM test.
 GEMM_KIND = "gemm"
-#: What ``NodeCheck.verdict`` can be.
-OK, FAILED, NO_AGENT, TIMED_OUT = "ok", "failed", "no-agent", "timed-out"
-VERDICTS = (OK, FAILED, NO_AGENT, TIMED_OUT)
+#: What ``NodeCheck.verdict`` can be. ``error``: the agent could not run the test (e.g.
+#: torch failed to load): no evidence about the arithmetic, so no quarantine.
+OK, FAILED, ERROR, NO_AGENT, TIMED_OUT = "ok", "failed", "error", "no-agent", "timed-out"
+VERDICTS = (OK, FAILED, ERROR, NO_AGENT, TIMED_OUT)
 
 
 class CommandSink(Protocol):
@@ -68,7 +69,7 @@ class NodeBook(Protocol):
 class NodeCheck:
     """One node's known-answer GEMM test as the controller judged it.
 
-    ``verdict``: ok | failed | no-agent | timed-out; ``reason``: one line for people.
+    ``verdict``: ok | failed | error | no-agent | timed-out; ``reason``: one line for people.
     The rest describe the worst element (``row``, ``col``, its ``error`` and ``bound``)
     and the test (``dtype``, ``size``, ``device``, ``duration_s``; ``at``: Unix seconds
     the agent ran it); zero / empty without a result. ``quarantined``: this result
@@ -113,9 +114,10 @@ def judge(node: str, event: events_pb2.SdcCheckEvent) -> NodeCheck:
         except (TypeError, ValueError):
             return default
 
+    verdict = OK if event.ok else ERROR if detail.get("error") else FAILED
     return NodeCheck(
-        node=node, verdict=OK if event.ok else FAILED,
-        reason=summary if event.ok else f"known-answer GEMM test failed: {summary}",
+        node=node, verdict=verdict,
+        reason={OK: summary, ERROR: summary}.get(verdict, f"known-answer GEMM test failed: {summary}"),
         error=field("error", float, 0.0), bound=field("bound", float, 0.0), row=field("row", int, -1),
         col=field("col", int, -1), dtype=field("dtype", str, ""), size=field("size", int, 0),
         device=field("device", str, ""), duration_s=field("duration_s", float, 0.0),
@@ -125,8 +127,8 @@ def judge(node: str, event: events_pb2.SdcCheckEvent) -> NodeCheck:
 
 def health_of(check: NodeCheck) -> tuple[str, str]:
     """(``nodes.health``, ``nodes.health_reason``) for a node whose last test is ``check``:
-    "ok" or "failed" (the column holds a short word), and the test's one line."""
-    return (OK if check.ok else FAILED), check.reason
+    "ok", "failed" or "error" (the column holds a short word), and the test's one line."""
+    return check.verdict, check.reason
 
 
 class NodeChecks:
@@ -164,7 +166,7 @@ class NodeChecks:
         health, reason = health_of(check)
         try:
             self._book.set_node_health(check.node, health, reason)
-            if check.ok:
+            if check.verdict != FAILED:
                 return check
             log.error("node %s: %s; quarantining it", check.node, check.reason)
             moved = self._book.quarantine_node(check.node, check.reason, actor=NodeActor.POLICY,

@@ -219,3 +219,44 @@ def test_the_idle_test_waits_while_ranks_report() -> None:
         assert json.loads(events[-1].sdc.detail)["trigger"] == "idle"
     finally:
         checker.close()
+
+
+def _gemm_event(ok: bool, time_ns: int, detail: str = "") -> events_pb2.SdcCheckEvent:
+    return events_pb2.SdcCheckEvent(rank=-1, node="node-3", kind="gemm", ok=ok, value="3.4", expected="0.001",
+                                    detail=detail, time_ns=time_ns)
+
+
+def test_an_older_result_changes_nothing_and_any_detail_is_judged(site: Site) -> None:
+    site.store.upsert_node("node-3", "ray-3", "127.0.0.1", "{}")
+    site.checks.observe("node-3", _gemm_event(False, 2_000, "not json"))
+    n = _node(site.store, "node-3")
+    assert (n.health, n.state) == ("failed", NodeState.QUARANTINED)
+    assert n.quarantine_reason == "known-answer GEMM test failed: not json"
+    # a resend of an older, passing result (after a reconnect) does not undo the verdict
+    site.checks.observe("node-3", _gemm_event(True, 1_000, '{"summary": "fine"}'))
+    assert _node(site.store, "node-3").health == "failed"
+    site.checks.observe("node-3", _gemm_event(True, 3_000, "[1, 2]"))   # JSON, not an object
+    n = _node(site.store, "node-3")
+    assert (n.health, n.health_reason) == ("ok", "[1, 2]")
+    # a test that could not run says nothing about the arithmetic: no quarantine
+    site.store.upsert_node("node-4", "ray-4", "127.0.0.1", "{}")
+    site.checks.observe("node-4", _gemm_event(False, 3_500, '{"error": true, "summary": "torch failed"}'))
+    n = _node(site.store, "node-4")
+    assert (n.health, n.health_reason, n.state) == ("error", "torch failed", NodeState.HEALTHY)
+    # a node the store does not know: the verdict is logged, nothing breaks
+    site.checks.observe("node-404", _gemm_event(False, 4_000))
+    site.checks.observe("node-3", events_pb2.SdcCheckEvent(kind="fingerprint", time_ns=5_000))  # not ours
+    assert _node(site.store, "node-3").health == "ok"
+
+
+def test_a_test_that_cannot_run_is_reported_as_an_error() -> None:
+    events: list[events_pb2.Event] = []
+    checker = GemmChecker("node-x", 0, 0, submit=events.append, idle=lambda: True)  # size 0: cannot run
+    checker.start()
+    try:
+        ev = checker.run_now(timeout_s=30)
+    finally:
+        checker.close()
+    detail = json.loads(ev.detail)
+    assert not ev.ok and detail["error"] is True and "could not run" in detail["summary"]
+    assert [e.sdc for e in events] == [ev]
