@@ -384,7 +384,10 @@ class AttemptRunner:
 
     def _hold_restores(self, incident: Incident, last_step: int) -> None:
         """After silent data corruption, hold the next attempts' restores to the step
-        verified before it until one trains past ``last_step`` (the corrupted attempt's)."""
+        verified before it until one trains past ``last_step`` (the corrupted attempt's);
+        an attempt that ended past the held-to step ends the hold."""
+        if self._restore_at_most and last_step > self._ceiling_until:
+            self._restore_at_most = 0  # this attempt trained past it (its watch may not have seen it)
         if incident.kind is not IncidentKind.SDC or incident.rollback_step is None:
             return
         if incident.rollback_step <= 0:
