@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag
     model_validator
 from pydantic.fields import FieldInfo
 
-from fleet.agent.settings import AGENT_SECTION_FIELDS, AgentSettings, check_batch_fits_memory
+from fleet.agent.settings import AGENT_SECTION_FIELDS, GEMM_FIELDS, AgentSettings, check_batch_fits_memory
 from fleet.controlplane import chaos
 from fleet.controlplane.errors import ConfigError
 from fleet.controlplane.sdc import copies_problem
@@ -566,13 +566,9 @@ class SdcConfig(_Section):
         description="A gradient norm, loss or update size this many times its running median forces a "
         "fingerprint check at once, whatever the interval (0 = no triggers).",
     )
-    gemm_size: int = Field(
-        256, ge=16, le=8192, description="Known-answer GEMM test: size of its square matrices.")
-    gemm_interval_s: float = Field(
-        600.0, ge=0, le=30 * 86400,
-        description="Seconds between known-answer GEMM tests an agent runs while its node has no ranks "
-        "(0 = only on demand, before placement and before release).",
-    )
+    # the agent's, which runs the test (agent.gemm_check)
+    gemm_size: int = _field(AgentSettings, "gemm_size")
+    gemm_interval_s: float = _field(AgentSettings, "gemm_interval_s")
     preflight: bool = Field(
         True, description="Run the known-answer GEMM test on every node before an attempt is placed on "
         "it; a node that fails is quarantined and not used.",
@@ -645,10 +641,12 @@ class ClusterConfig(_Section):
 
     def agent_settings(self) -> AgentSettings:
         """The one object every node agent is started with: the ``agent`` section, its spill
-        folder resolved, and the controller's heartbeat interval and message limit."""
+        folder resolved, the controller's heartbeat interval and message limit, and the
+        known-answer GEMM test's size and interval (``sdc``)."""
         c = self.controller
         return AgentSettings(**{
             **self.agent.model_dump(include=set(AGENT_SECTION_FIELDS)),
+            **self.sdc.model_dump(include=set(GEMM_FIELDS)),
             "spill_dir": str(self.agent_spill_dir()),
             "heartbeat_interval_s": c.heartbeat_interval_s,
             "max_message_bytes": c.max_message_bytes,

@@ -534,8 +534,8 @@ def test_model_overrides_are_the_model_fields_made_optional() -> None:
 
 
 def test_agents_get_one_settings_object_defined_by_the_agent() -> None:
-    from fleet.agent.settings import AGENT_SECTION_FIELDS, LINK_FIELDS, AgentSettings
-    from fleet.controlplane.config import WORKER_REPORTING_FIELDS, AgentConfig, ControllerConfig, JobConfig
+    from fleet.agent.settings import AGENT_SECTION_FIELDS, GEMM_FIELDS, LINK_FIELDS, AgentSettings
+    from fleet.controlplane.config import WORKER_REPORTING_FIELDS, AgentConfig, ControllerConfig, JobConfig, SdcConfig
     from fleet.workers.spec import WorkerSpec, documented_fields
 
     assert tuple(AgentConfig.model_fields) == AGENT_SECTION_FIELDS + WORKER_REPORTING_FIELDS
@@ -546,7 +546,11 @@ def test_agents_get_one_settings_object_defined_by_the_agent() -> None:
                                (JobConfig, "flight_recorder_entries", "fr_buffer_entries")]:
         field = section.model_fields[key]
         assert (field.default, field.description) == (getattr(WorkerSpec, name), worker[name].description), key
-    assert set(AgentSettings.model_fields) == set(AGENT_SECTION_FIELDS) | set(LINK_FIELDS)
+    assert set(AgentSettings.model_fields) == set(AGENT_SECTION_FIELDS) | set(LINK_FIELDS) | set(GEMM_FIELDS)
+    for name in GEMM_FIELDS:  # cluster.yaml's sdc section embeds the agent's definition
+        assert SdcConfig.model_fields[name].description == AgentSettings.model_fields[name].description
+    gemm = parse_cluster_yaml("sdc: {gemm_size: 64, gemm_interval_s: 5}", SRC).agent_settings()
+    assert (gemm.gemm_size, gemm.gemm_interval_s) == (64, 5.0)
     for name in LINK_FIELDS:
         assert ControllerConfig.model_fields[name].description == AgentSettings.model_fields[name].description
     cfg = parse_cluster_yaml(
