@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from fleet.controlplane import chaos, exits, launch
+from fleet.controlplane import chaos, exits, launch, node_checks
 from fleet.controlplane.agent_server import AgentRegistry
 from fleet.controlplane.agent_supervisor import AgentSupervisor
 from fleet.controlplane.chaos_fire import ChaosFirer
@@ -59,6 +59,9 @@ PROGRAM_SETTLE_S = 0.25
 #: long after it started: starting them at once slows the ranks' own start-up.
 SPARES_DELAY_S = 20.0
 POLL_INTERVAL_S = 0.05
+#: How long the pre-flight GEMM tests of an attempt's nodes may take in all (an agent's
+#: first test imports torch; on a GPU it initialises CUDA too).
+PREFLIGHT_TIMEOUT_S = 60.0
 #: How long the ranks of a failed attempt get to leave their collectives by themselves
 #: (they fail fast once a peer is gone) before they are killed.
 TEARDOWN_GRACE_S = 3.0
@@ -77,10 +80,13 @@ class AttemptRunner:
                  registry: AgentRegistry, supervisor: AgentSupervisor, watchdog: Watchdog,
                  incidents: queue.Queue[Incident], checkpoint_dir: str, progress: Callable[[str], None],
                  timings_s: dict[str, float], environ: Mapping[str, str] | None = None,
-                 on_output: Callable[[str], None] | None = None) -> None:
+                 on_output: Callable[[str], None] | None = None,
+                 checks: node_checks.NodeChecks | None = None) -> None:
         """``environ``: the ``fleet`` command's environment, which a user program's ranks
         inherit (``job.entrypoint.inherit_env``); ``on_output(line)``: where their output
-        lines go, rank-prefixed, with ``job.entrypoint.tee``."""
+        lines go, rank-prefixed, with ``job.entrypoint.tee``; ``checks``: runs the
+        pre-flight known-answer GEMM test (none: no pre-flight test)."""
+        self._node_checks = checks
         self._on_output = on_output
         self._tee: LogTee | None = None
         self.config = config
@@ -159,10 +165,9 @@ class AttemptRunner:
         while True:
             t_place = time.monotonic()
             self.store.set_job_state(job.job_id, JobState.PLACING, "placing worker group")
-            chosen = self._healthy_nodes(nodes)
+            chosen = self._checked_nodes(nodes)
             if chosen is None:
                 return JobState.STOPPED, job.stop_reason
-            self._restore_agents(chosen)
             placement = [n for n in chosen for _ in range(cfg.job.ranks_per_node)]
             attempt = self.store.create_attempt(job.job_id)
             actors, reused = pool.acquire(placement)
@@ -410,6 +415,33 @@ class AttemptRunner:
                             f"{incident.node} lost: its agent and all its ranks {on_node} are gone; "
                             + incident.evidence)
         return incident
+
+    def _checked_nodes(self, nodes: list[NodeInfo]) -> list[NodeInfo] | None:
+        """The healthy nodes of the next attempt, their agents running and (``sdc.preflight``)
+        each having passed the known-answer GEMM test. A node that fails it is quarantined
+        (``node_checks``) and the nodes are chosen again; one whose test could not run is
+        used (the test says nothing about it) and the reason is shown. None if stopped."""
+        while True:
+            chosen = self._healthy_nodes(nodes)
+            if chosen is None:
+                return None
+            self._restore_agents(chosen)
+            if self._node_checks is None or not self.config.sdc.preflight:
+                return chosen
+            results = self._node_checks.preflight([n.name for n in chosen], PREFLIGHT_TIMEOUT_S,
+                                                  job_id=self.job.job_id, attempt=self.job.attempt)
+            failed = [c for c in results.values() if c.verdict == node_checks.FAILED]
+            for c in results.values():
+                if not c.ok and c.verdict != node_checks.FAILED:
+                    self._progress(f"pre-flight GEMM test on {c.node} did not run ({c.verdict}): {c.reason}")
+            if not failed:
+                return chosen
+            for c in failed:
+                reason = f"pre-flight known-answer GEMM test failed: {c.reason}"
+                self.store.record_action(self.job.job_id, self.job.attempt, "quarantine", f"{c.node}: {reason}")
+                self._progress(f"quarantined {c.node}: {reason}")
+                if self._pool is not None:
+                    self._pool.discard_node(c.node)
 
     def _restore_agents(self, chosen: list[NodeInfo]) -> None:
         """Start a new agent on every chosen node whose agent is gone."""

@@ -34,6 +34,7 @@ from fleet.controlplane.errors import FleetError, UnavailableError
 from fleet.controlplane.grpc_server import ControllerServer
 from fleet.controlplane.job_control import JobService, LiveJob
 from fleet.controlplane.lifecycle import AttemptState, JobState
+from fleet.controlplane.node_checks import NodeChecks
 from fleet.controlplane.recovery import note_processes, processes_file, take_over
 from fleet.controlplane.runtime import Agents, Cluster, NodeInfo, Runtime, ray_runtime
 from fleet.controlplane.store import Store
@@ -94,6 +95,8 @@ class Controller:
         self._state_dir = Path(config.state_dir).resolve()
         self._token = auth.new_token()
         self._registry = AgentRegistry()
+        #: known-answer GEMM tests through the agents: pre-flight, release gate (node_checks.py)
+        self._node_checks = NodeChecks(self.store, self._registry)
         self._job = LiveJob()
         self._control = JobService(store, self._job)
         self._incidents: queue.Queue[Incident] = queue.Queue()  # from the watchdog thread
@@ -134,7 +137,8 @@ class Controller:
             cfg, self.store, self._job, runtime=runtime, agents=agents, registry=self._registry,
             supervisor=supervisor, watchdog=watchdog, incidents=self._incidents,
             checkpoint_dir=str((Path(cfg.job.checkpoint_dir) / self.job_id).resolve()),
-            progress=self._progress, timings_s=self.timings_s, environ=os.environ, on_output=self._on_output)
+            progress=self._progress, timings_s=self.timings_s, environ=os.environ, on_output=self._on_output,
+            checks=self._node_checks)
         self._control.take_faults(runner.scheduler.submit)
         server: ControllerServer | None = None
         result: RunResult | None = None
@@ -180,8 +184,8 @@ class Controller:
         cfg = self.config
         server = ControllerServer(
             AgentServicer(self.store, self._registry, self._token, controller_id=f"ctl-{os.getpid()}",
-                          observer=watchdog.observe),
-            ControlServicer(self._control, self._token),
+                          observer=watchdog.observe, on_node_check=self._node_checks.observe),
+            ControlServicer(self._control, self._token, node_checks=self._node_checks),
             host=cfg.controller.host,
             port=cfg.controller.port,
             max_message_bytes=cfg.controller.max_message_bytes,
