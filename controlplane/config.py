@@ -394,6 +394,11 @@ class JobConfig(create_model("_JobRecipe", __base__=_JobPlacement, **_embedded(T
             raise ValueError(
                 f"ep_size ({self.ep_size}) must divide model n_experts ({model.n_experts})"
             )
+        if self.data_parallel == "hsdp" and self.ranks_per_node % self.ep_size:
+            raise ValueError(
+                f"data_parallel hsdp keeps expert-parallel groups inside a node: ep_size ({self.ep_size}) "
+                f"must divide ranks_per_node ({self.ranks_per_node})"
+            )
         if self.min_nodes > self.nodes:
             raise ValueError(f"min_nodes ({self.min_nodes}) must be <= nodes ({self.nodes})")
         for n in range(max(self.min_nodes, 1), self.nodes):

@@ -381,6 +381,8 @@ def test_readme_reference_is_generated_from_the_schema() -> None:
     ("text", "needle"),
     [
         ("job:\n  nodes: 2\n  ranks_per_node: 3\n  ep_size: 4\n", "ep_size (4) must divide the world size"),
+        ("job:\n  data_parallel: hsdp\n  nodes: 2\n  ranks_per_node: 2\n  ep_size: 4\n",
+         "ep_size (4) must divide ranks_per_node (2)"),
         ("job:\n  ep_size: 4\n  model:\n    n_experts: 6\n", "ep_size (4) must divide model n_experts (6)"),
         ("job:\n  model:\n    fp8: e4m3\n", "job.model.fp8"),
         ("job:\n  data_parallel: zero3\n", "job.data_parallel"),
