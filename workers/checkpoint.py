@@ -428,14 +428,19 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True) -> bool:
 
 
 def latest_valid(checkpoint_dir: str | os.PathLike[str],
-                 skipped: list[InvalidCheckpoint] | None = None) -> tuple[int, str] | None:
+                 skipped: list[InvalidCheckpoint] | None = None, *,
+                 at_most: int = 0) -> tuple[int, str] | None:
     """The newest valid checkpoint under ``checkpoint_dir`` as ``(step, path)``, or None.
 
     Checksums every file of each candidate, newest first, until one passes; each one
     that fails is appended to ``skipped`` (the caller reports them: the manifest is the
-    truth of a checkpoint's validity, and the store's flag follows it).
+    truth of a checkpoint's validity, and the store's flag follows it). ``at_most`` > 0:
+    checkpoints of later steps are passed over, unchecked (a restore ceiling after
+    silent data corruption).
     """
     for step, path in _step_dirs(Path(checkpoint_dir)):
+        if at_most > 0 and step > at_most:
+            continue
         why = problem(path)
         if not why:
             return step, str(path)

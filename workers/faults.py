@@ -20,6 +20,16 @@ Fault kinds understood here (``WORKER_KINDS``), each armed for the first step
     newest valid checkpoint at the top of that step, then tells ``on_checkpoint_damaged``
     (step, path, reason), which the trainer wires to its reporter: the store marks that
     checkpoint invalid at once, not only when a later restore skips it.
+  * ``sdc``: silent data corruption of one value of the rank's state, in the training
+    step (the trainer asks ``sdc_due(step, target)`` at each firing point): ``target``
+    weight (one parameter element right after ``optimizer.step``), optimizer (one
+    element of exp_avg or exp_avg_sq, then), grad (one gradient element after the
+    gradient sync and clipping, before ``optimizer.step``) or activation (one element of
+    a Linear/MoE output in the forward). ``bit`` set: XOR that bit of the value's bits;
+    else ``value_error``: ``x *= 1 + value_error`` (``x = value_error`` when x is 0). The
+    element is chosen from (rank, at_step), so a ``persistent`` fault hits the same
+    element at every step from ``at_step`` on (a defective unit), re-executed steps of a
+    triage included; a one-shot fault fires once.
 Other kinds (node-down, partition, ...) are the agent's or the controller's; a rank
 logs and ignores them. ``after_s`` is the controller's delay and is ignored here.
 A ``stop`` command only sets ``stop_requested``; the training loop decides, together
@@ -57,6 +67,31 @@ DEFAULT_SLOW_DELAY_S = 0.3
 WORKER_KINDS = frozenset(k for k in FaultKind if k.worker_timed)
 
 
+#: Where an ``sdc`` fault strikes (``FaultSpec.target``; "" means weight).
+SDC_TARGETS = ("weight", "grad", "optimizer", "activation")
+
+
+@dataclass(frozen=True)
+class SdcFault:
+    """An armed ``sdc`` fault."""
+
+    target: str
+    at_step: int
+    bit: int | None
+    value_error: float
+    persistent: bool
+
+    def describe(self) -> str:
+        what = f"bit {self.bit} flipped" if self.bit is not None else f"relative error {self.value_error:g}"
+        return f"{self.target} {what}{', persistent' if self.persistent else ''}"
+
+    def pick(self, rank: int, n: int) -> int:
+        """A deterministic index in ``range(n)`` for this (rank, at_step)."""
+        h = ((rank + 1) * 0x9E3779B1 + self.at_step * 0x85EBCA77 + 0x2545F491) & 0xFFFFFFFF
+        h = (h ^ (h >> 15)) * 0x2C1B3C6D & 0xFFFFFFFF
+        return (h ^ (h >> 12)) % n if n > 0 else 0
+
+
 @dataclass
 class _Slowdown:
     at_step: int
@@ -88,6 +123,8 @@ class FaultHooks:
         self._hang_s = 0.0
         self._slow: _Slowdown | None = None
         self._nan_at_step: int | None = None
+        self._sdc: list[SdcFault] = []
+        self._sdc_fired: set[SdcFault] = set()
         #: Called with (step, checkpoint path, reason) after ckpt-corrupt damaged a
         #: checkpoint; set once the reporter exists (it is built after these hooks).
         self.on_checkpoint_damaged: Callable[[int, str, str], object] | None = None
@@ -142,6 +179,15 @@ class FaultHooks:
             with self._lock:
                 if self._nan_at_step is None or at_step < self._nan_at_step:
                     self._nan_at_step = at_step
+        elif fault_kind is FaultKind.SDC:
+            target = fault.target or "weight"
+            if target not in SDC_TARGETS:
+                log.warning("rank %d: ignoring sdc fault with target %r (command %s)", self.rank, target,
+                            cmd.command_id)
+                return
+            with self._lock:
+                self._sdc.append(SdcFault(target, at_step, fault.bit if fault.HasField("bit") else None,
+                                          fault.value_error, fault.persistent))
         elif fault_kind is FaultKind.CKPT_CORRUPT and self.checkpoint_dir:
             # the controller hands a step-timed corruption to rank 0: exactly at that step
             with self._lock:
@@ -198,6 +244,44 @@ class FaultHooks:
         print(f"fleet: rank {self.rank} injected NaN loss at step {step}", file=sys.stderr, flush=True)
         return loss * float("nan")
 
+    def sdc_due(self, step: int, target: str) -> SdcFault | None:
+        """The ``sdc`` fault to fire at ``step`` on ``target``, or None. A one-shot fault
+        is returned once (at the first step >= its ``at_step``), a persistent one at every
+        step from then on."""
+        with self._lock:
+            for f in self._sdc:
+                if f.target != target or step < f.at_step:
+                    continue
+                if not f.persistent:
+                    self._sdc.remove(f)
+                return f
+        return None
+
+    def inject_sdc(self, fault: SdcFault, step: int, tensors: list[torch.Tensor]) -> None:
+        """Corrupt one element of one of ``tensors`` in place, as ``fault`` says; the same
+        element for the same fault on this rank every time (autograd does not see it)."""
+        candidates = [t for t in tensors if t is not None and t.numel() > 0]
+        if not candidates:
+            return
+        t = candidates[fault.pick(self.rank, len(candidates))]
+        index = fault.pick(self.rank + 7919, t.numel())
+        before, after = corrupt_element(t, index, fault.bit, fault.value_error)
+        first = fault not in self._sdc_fired
+        self._sdc_fired.add(fault)
+        if first or not fault.persistent:
+            print(f"fleet: rank {self.rank} injected sdc ({fault.describe()}) at step {step}: element {index} of a "
+                  f"{tuple(t.shape)} {fault.target} tensor, {before!r} -> {after!r}"
+                  + (" (and at every step from now on)" if fault.persistent else ""),
+                  file=sys.stderr, flush=True)
+
+    def sdc_forward_hook(self, fault: SdcFault, step: int) -> Callable:
+        """A forward hook that corrupts one element of the module's output (a copy)."""
+        def hook(module: object, inputs: object, output: torch.Tensor) -> torch.Tensor:
+            out = output.clone()
+            self.inject_sdc(fault, step, [out.detach()])
+            return out
+        return hook
+
     def _slow_delay(self, step: int) -> float:
         """Seconds this step must sleep for an armed slowdown (0: none, or it is over)."""
         with self._lock:
@@ -244,3 +328,25 @@ class FaultHooks:
         os.kill(os.getpid(), signal.SIGKILL)
         # Not reached: a signal a process sends itself is delivered before kill() returns.
         os._exit(128 + signal.SIGKILL)
+
+
+def corrupt_element(t: torch.Tensor, index: int, bit: int | None, value_error: float) -> tuple[float, float]:
+    """Flip ``bit`` of element ``index`` of ``t`` (flat, in place), or scale it by
+    ``1 + value_error`` (set it to ``value_error`` when it is 0); returns (before, after)."""
+    import torch
+
+    with torch.no_grad():
+        flat = t.detach().view(-1)
+        before = float(flat[index].item())
+        if bit is not None:
+            size = t.element_size()
+            ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+            words = flat.view(ints)
+            b = bit % (8 * size)
+            value = int(words[index].item()) ^ (1 << b)
+            if value >= 1 << (8 * size - 1):  # back to the signed range of the integer view
+                value -= 1 << (8 * size)
+            words[index] = value
+        else:
+            flat[index] = before * (1 + value_error) if before != 0 else value_error
+        return before, float(flat[index].item())

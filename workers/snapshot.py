@@ -3,9 +3,11 @@ that lose at most the step in flight.
 
 A snapshot is a CPU copy of every tensor a step changes: parameters, buffers (MoE router
 biases), AdamW's state (step, both moments) and the RNG state, plus the step and data
-position. It is taken right after the step's closing all-reduce succeeded, so snapshot
-``S`` means "every rank finished step S". The copy goes into buffers allocated once, with
-one fused ``torch._foreach_copy_``: no allocation per step, ~1 ms per 10 MB.
+position. It is staged (copied) right after the optimizer step and committed once the
+step's closing all-reduce succeeded, so a committed snapshot ``S`` means "every rank
+finished step S". The copy goes into buffers allocated once (``FlatState``: one buffer
+of 64-bit words per tensor group and dtype, which is also what SDC fingerprints sum),
+with one fused ``torch._foreach_copy_``: no allocation per step, ~1 ms per 10 MB.
 
 Snapshots live in the worker *process* (``holder()``), not in the ``Trainer``: a worker
 process that survives a failed attempt (fleet restarts the attempt in-process) still has
@@ -21,13 +23,15 @@ Invariants:
   * A snapshot is used only by a trainer with the same ``layout`` key (job, model
     shape, parallel layout, and for sharded state the world size and rank).
   * The two newest snapshots are kept: ranks may disagree by one step about the last
-    finished step when a failure cuts a collective half way.
+    finished step when a failure cuts a collective half way. So is the newest one whose
+    SDC check passed (``verified``), however old: triage replays from it, and after a
+    persistent fault the next attempt restores it.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -74,53 +78,165 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[to
     return out
 
 
+class FlatState:
+    """Copies of a list of tensors packed into one buffer of 64-bit words per (group, dtype).
+
+    ``tensors[i]`` is a CPU view shaped like the i-th tensor it was built for; ``words``
+    holds ``(group, int64 buffer)`` pairs, zero-padded to whole words. Allocated once and
+    refilled with one fused copy, the packed words let a fingerprint sum a whole group of
+    tensors' bits in one call (workers/sdc.py) instead of once per tensor.
+    """
+
+    def __init__(self, like: list[torch.Tensor], groups: list[int] | None = None) -> None:
+        groups = groups if groups is not None else [0] * len(like)
+        if len(groups) != len(like):
+            raise ValueError(f"{len(groups)} group numbers for {len(like)} tensors")
+        by_key: dict[tuple[int, torch.dtype], list[int]] = {}
+        for i, (t, g) in enumerate(zip(like, groups, strict=True)):
+            by_key.setdefault((g, t.dtype), []).append(i)
+        self.tensors: list[torch.Tensor] = [torch.empty(0)] * len(like)
+        self.words: list[tuple[int, torch.Tensor]] = []
+        for (group, dtype), idx in by_key.items():
+            size = torch.empty((), dtype=dtype).element_size()
+            nbytes = sum(like[i].numel() for i in idx) * size
+            buf = torch.zeros((nbytes + 7) // 8, dtype=torch.int64)
+            flat = buf.view(dtype)
+            offset = 0
+            for i in idx:
+                n = like[i].numel()
+                self.tensors[i] = flat[offset:offset + n].view(like[i].shape)
+                offset += n
+            self.words.append((group, buf))
+
+    def copy_from(self, live: list[torch.Tensor]) -> None:
+        torch._foreach_copy_(self.tensors, live)
+
+    def group_sums(self, n_groups: int) -> list[int]:
+        """Per group, the sum of its 64-bit words as a Python int (int64 wrap-around)."""
+        out = [0] * n_groups
+        for group, buf in self.words:
+            out[group] += int(buf.sum().item())
+        return out
+
+
 @dataclass
 class Snapshot:
     step: int
     data_position: int | None
     rng: torch.Tensor
-    tensors: list[torch.Tensor] = field(default_factory=list)
+    state: FlatState
+    #: this rank's fingerprint of the state (workers/sdc.py), when a check covered it
+    digests: tuple[int, ...] | None = None
+    #: the check of this step found every copy of the state equal
+    verified: bool = False
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return self.state.tensors
 
 
 class SnapshotHolder:
-    """This process's snapshots, by layout key (thread-safe)."""
+    """This process's snapshots, by layout key (thread-safe).
+
+    A snapshot is taken in two parts: ``stage`` copies the state into a free buffer
+    (before the step's closing all-reduce, so a fingerprint can be read from the copy),
+    ``commit`` makes it the newest once the all-reduce succeeded. Kept per layout: the
+    ``KEEP`` newest and, when older, the newest verified one (SDC triage replays from it).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_layout: dict[tuple, list[Snapshot]] = {}
+        self._spare: dict[tuple, Snapshot] = {}
 
-    def take(self, layout: tuple, step: int, live: list[torch.Tensor], data_position: int | None) -> None:
-        """Copy ``live`` as the snapshot of ``step`` (reusing the oldest buffers)."""
+    def stage(self, layout: tuple, step: int, live: list[torch.Tensor], data_position: int | None,
+              groups: list[int] | None = None) -> Snapshot:
+        """Copy ``live`` as the (not yet committed) snapshot of ``step``, reusing the buffers
+        of a snapshot the commit will drop when there is one."""
         with self._lock:
             kept = self._by_layout.setdefault(layout, [])
-            if len(kept) >= KEEP and _same_shapes(kept[0].tensors, live):
-                snap = kept.pop(0)
-            else:
-                if len(kept) >= KEEP:
-                    kept.pop(0)
-                snap = Snapshot(0, None, torch.empty(0), [torch.empty_like(t, device="cpu") for t in live])
-            torch._foreach_copy_(snap.tensors, live)
-            snap.step, snap.data_position, snap.rng = step, data_position, torch.get_rng_state()
-            kept.append(snap)
+            snap = None
+            if len(kept) >= KEEP:
+                protected = (kept[-1], _newest_verified(kept))
+                victim = next((s for s in kept if all(s is not p for p in protected)), None)
+                if victim is not None and _same_shapes(victim.tensors, live):
+                    kept.remove(victim)
+                    snap = victim
+            if snap is None:
+                spare = self._spare.pop(layout, None)
+                if spare is not None and _same_shapes(spare.tensors, live):
+                    snap = spare
+            if snap is None:
+                snap = Snapshot(0, None, torch.empty(0), FlatState(live, groups))
+        snap.state.copy_from(live)
+        snap.step, snap.data_position, snap.rng = step, data_position, torch.get_rng_state()
+        snap.digests, snap.verified = None, False
+        return snap
 
-    def newest(self, layout: tuple) -> Snapshot | None:
+    def commit(self, layout: tuple, snap: Snapshot) -> None:
+        """Make a staged snapshot the newest (replacing one of the same step)."""
         with self._lock:
-            kept = self._by_layout.get(layout)
+            kept = self._by_layout.setdefault(layout, [])
+            for old in [s for s in kept if s.step >= snap.step and s is not snap]:
+                kept.remove(old)
+                self._spare[layout] = old
+            if snap not in kept:
+                kept.append(snap)
+            self._trim(layout, kept)
+
+    def take(self, layout: tuple, step: int, live: list[torch.Tensor], data_position: int | None) -> None:
+        """Copy ``live`` as the snapshot of ``step`` and commit it at once."""
+        self.commit(layout, self.stage(layout, step, live, data_position))
+
+    def _trim(self, layout: tuple, kept: list[Snapshot]) -> None:
+        verified = _newest_verified(kept)
+        while len(kept) > KEEP:
+            victim = next((s for s in kept[:-KEEP] if s is not verified), None)
+            if victim is None:
+                break
+            kept.remove(victim)
+            self._spare[layout] = victim
+
+    def newest(self, layout: tuple, at_most: int = 0) -> Snapshot | None:
+        """The newest snapshot (no newer than ``at_most`` when that is > 0)."""
+        with self._lock:
+            kept = [s for s in self._by_layout.get(layout, []) if at_most <= 0 or s.step <= at_most]
             return kept[-1] if kept else None
+
+    def newest_verified(self, layout: tuple, before: int = 0) -> Snapshot | None:
+        """The newest snapshot whose check passed (older than step ``before`` when > 0)."""
+        with self._lock:
+            kept = [s for s in self._by_layout.get(layout, []) if before <= 0 or s.step < before]
+            return _newest_verified(kept)
 
     def get(self, layout: tuple, step: int) -> Snapshot | None:
         with self._lock:
             return next((s for s in self._by_layout.get(layout, []) if s.step == step), None)
+
+    def drop_newer(self, layout: tuple, step: int) -> None:
+        """Forget the snapshots newer than ``step`` (they hold corrupted state)."""
+        with self._lock:
+            kept = self._by_layout.get(layout, [])
+            for s in [s for s in kept if s.step > step]:
+                kept.remove(s)
+                self._spare[layout] = s
 
     def forget_other_jobs(self, job_id: str) -> None:
         """Drop snapshots of other jobs (a reused process must not hold them forever)."""
         with self._lock:
             for key in [k for k in self._by_layout if k[0] != job_id]:
                 del self._by_layout[key]
+            for key in [k for k in self._spare if k[0] != job_id]:
+                del self._spare[key]
 
     def clear(self) -> None:
         with self._lock:
             self._by_layout.clear()
+            self._spare.clear()
+
+
+def _newest_verified(kept: list[Snapshot]) -> Snapshot | None:
+    return next((s for s in reversed(kept) if s.verified), None)
 
 
 def _same_shapes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

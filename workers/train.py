@@ -103,10 +103,19 @@ class _Emitter:
 
 def run(spec: WorkerSpec, listen_socket: socket.socket | None = None, *,
         before_step: Callable[[int], None] | None = None,
-        on_step: Callable[[StepResult], None] | None = None) -> dict:
+        on_step: Callable[[StepResult], None] | None = None,
+        hooks: FaultHooks | None = None) -> dict:
     """Train this rank to ``spec.train.steps`` and return ``{"rank", "final_step",
-    "restored_step", "stopped", "restored_from", ...}``. Raises whatever stopped training,
-    after reporting FAILED.
+    "restored_step", "stopped", "restored_from", "sdc", "sdc_check_s", "sdc_digest", ...}``.
+    Raises whatever stopped training, after reporting FAILED (``SdcError`` for a
+    persistent silent data corruption, once its verdict was sent).
+
+    ``sdc``: one record per SDC triage (``first_bad_step``, ``detected_step``,
+    ``suspects``, ``verdict``, ``replays``, ``rollback_step``, ``state``, ``mechanism``);
+    ``sdc_check_s``: seconds spent fingerprinting and comparing; ``sdc_digest``: this
+    rank's fingerprint of its final state (workers/sdc.py ``hex_digest``). ``hooks``:
+    fault hooks to use instead of fresh ones (a benchmark arms faults on them directly
+    with ``hooks.on_command``).
 
     ``listen_socket`` (rank 0 only): an already listening socket on master_addr:master_port
     for the rendezvous store; without it rank 0 binds one itself. If a default process
@@ -121,7 +130,8 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None, *,
     torch.set_num_threads(1)  # ranks share the host's cores; more threads only contend
     own_pg = not dist.is_initialized()
     links: list[PeerLinks | None] = [None]  # set once the process group exists
-    hooks = FaultHooks(spec.rank, checkpoint_dir=spec.checkpoint_dir if spec.rank == 0 else "")
+    if hooks is None:
+        hooks = FaultHooks(spec.rank, checkpoint_dir=spec.checkpoint_dir if spec.rank == 0 else "")
     reporter = Reporter(spec, hooks.on_command)
     emit = _Emitter(spec, reporter)
     hooks.on_checkpoint_damaged = emit.checkpoint_invalid  # ckpt-corrupt: the store learns at once
@@ -186,6 +196,9 @@ def _train(
     t0 = time.perf_counter()
     trainer = Trainer(spec, recorder, device)
     trainer.loss_hook = getattr(hooks, "poison_loss", None)
+    trainer.faults = hooks
+    trainer.emit = reporter.emit
+    trainer.flush = lambda: _flush(reporter, timeout_s=min(5.0, spec.pg_timeout_s))
     try:
         restored = trainer.restore()
         restore_s = time.perf_counter() - t0
@@ -235,7 +248,16 @@ def _train(
         "restored_from": trainer.restored_from,
         "pg_init_s": pg_init_s, "restore_s": restore_s, "train_s": train_s,
         "step_wall_s": step_wall_s, "step_cpu_s": step_cpu_s,
+        "sdc": trainer.sdc_log, "sdc_check_s": trainer.sdc_check_s, "sdc_digest": trainer.final_digest(),
     }
+
+
+def _flush(reporter: Reporter, timeout_s: float) -> None:
+    """Wait (bounded) until the agent acknowledged every event emitted so far."""
+    deadline = time.monotonic() + timeout_s
+    while reporter.enabled and reporter.pending and time.monotonic() < deadline:
+        reporter.flush_soon()
+        time.sleep(0.01)
 
 
 def _add_field_flags(parser: argparse.ArgumentParser, fields: dict[str, FieldInfo]) -> None:
