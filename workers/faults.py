@@ -343,7 +343,7 @@ def corrupt_element(t: torch.Tensor, index: int, bit: int | None, value_error: f
             ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
             words = flat.view(ints)
             b = bit % (8 * size)
-            value = int(words[index].item()) ^ (1 << b)
+            value = (int(words[index].item()) & ((1 << 8 * size) - 1)) ^ (1 << b)
             if value >= 1 << (8 * size - 1):  # back to the signed range of the integer view
                 value -= 1 << (8 * size)
             words[index] = value
