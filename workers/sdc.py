@@ -68,6 +68,12 @@ def digests(state: FlatState) -> tuple[int, ...]:
     return tuple(fold(s) for s in state.group_sums(len(LANES)))
 
 
+def bit_sum(t: torch.Tensor) -> int:
+    """The bits of ``t``'s elements read as integers of their width, summed (one call)."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return int(t.contiguous().view(ints).sum(dtype=torch.int64).item())
+
+
 def hex_digest(lanes: Sequence[int]) -> str:
     """A rank's lanes as text (55 characters): ``dddddddddddd-...``."""
     return "-".join(f"{d:013x}" for d in lanes)

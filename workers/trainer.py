@@ -80,6 +80,7 @@ class _Local:
 
     loss: float                  # this rank's mean language-model loss over its micro-batches
     aux: float
+    logits: int                  # the bits of this rank's logits, summed (what a replay compares)
     counts: torch.Tensor         # routed tokens per (MoE layer, expert)
     grad_norm: float
     lr: float
@@ -155,7 +156,8 @@ class Trainer:
         self.sdc_log: list[dict] = []    # one record per triage (run()'s "sdc")
         self.sdc_check_s = 0.0           # seconds spent fingerprinting and comparing
         self._forced: dict[int, sdc.Trigger] = {}   # step -> the trigger that forces its check
-        self._local_loss: dict[int, float] = {}
+        #: step -> this rank's (loss, router loss, logits digest): a replay's evidence
+        self._local_loss: dict[int, tuple[float, float, int]] = {}
         self._last_trigger_triage = -sdc.TRIGGER_TRIAGE_EVERY
         self._verified_step = 0          # newest step whose check passed (for rollback without snapshots)
         self._verified_saved = 0         # newest such step a checkpoint was started from
@@ -329,7 +331,7 @@ class Trainer:
         trigger = self._forced.pop(step, None)
         check = trigger is not None or self._periodic_check(step)
         local = self._compute(step)
-        self._local_loss[step] = local.loss
+        self._local_loss[step] = (local.loss, local.aux, local.logits)
         self._local_loss.pop(step - _LOSS_HISTORY, None)
         vote = False
         if self.triggers.enabled:
@@ -401,6 +403,7 @@ class Trainer:
             group["lr"] = lr
         counts = torch.zeros(len(self.moe), max(self.args.n_experts, 1), dtype=torch.float64)
         loss_sum = aux_sum = 0.0
+        logit_bits = 0
         accum = train.grad_accum_steps
         hook = None
         fault = self._sdc_fault(step, "activation")
@@ -422,6 +425,8 @@ class Trainer:
                         loss = self.loss_hook(step, loss)
                     aux = self._aux_loss()
                 ((loss + aux) / accum).backward()
+                # an activation fault can move the loss by less than its last bit; not the logits
+                logit_bits += sdc.bit_sum(logits.detach())
                 loss_sum += loss.item() / accum
                 aux_sum += aux.detach().item() / accum
                 for i, layer in enumerate(self.moe):
@@ -446,7 +451,7 @@ class Trainer:
             moments = [snapshot.local(st[k]) for st in self.optimizer.state.values()
                        for k in ("exp_avg", "exp_avg_sq") if k in st]
             self.faults.inject_sdc(fault, step, moments)
-        return _Local(loss_sum, aux_sum, counts, grad_norm, lr)
+        return _Local(loss_sum, aux_sum, sdc.fold(logit_bits), counts, grad_norm, lr)
 
     def _reduce(self, local: _Local, *, stop: bool = False, save_done: bool = False, vote: bool = False,
                 lanes: tuple[int, ...] | None = None, changed: bool | None = None) -> _Reduced:
@@ -645,7 +650,8 @@ class Trainer:
         for s in range(base.step + 1, upto + 1):
             local = self._compute(s)
             before = self._local_loss.get(s)
-            differs = before is not None and struct.pack("<d", before) != struct.pack("<d", local.loss)
+            # bits, not values: NaN != NaN, -0.0 == 0.0
+            differs = before is not None and _bits(before) != _bits((local.loss, local.aux, local.logits))
             # every replayed step is compared across copies: a fault that repeats shows
             # the first step it strikes
             staged.state.copy_from(self._live)
@@ -707,6 +713,10 @@ class Trainer:
         if self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+
+def _bits(observed: tuple[float, float, int]) -> bytes:
+    return struct.pack("<2dQ", *observed)
 
 
 def pick_device(local_rank: int) -> torch.device:
