@@ -162,6 +162,7 @@ class Trainer:
         self._verified_step = 0          # newest step whose check passed (for rollback without snapshots)
         self._verified_saved = 0         # newest such step a checkpoint was started from
         self._prev_norms: torch.Tensor | None = None
+        self._checked: tuple[int, list[tuple[int, ...]]] | None = None  # the last check: step, every rank's digests
         self._lanes: list[int] = []
         self._scratch: snapshot.FlatState | None = None  # fingerprint copy when snapshots are off
         self._bias_idx: list[int] = []
@@ -280,8 +281,13 @@ class Trainer:
             self._data_position = snap.data_position
         self.restored_from = "memory" if self.spec.rank == src else f"memory from rank {src}"
 
-    def _extra(self) -> dict:
-        return {"router_bias": [layer.expert_bias.detach().cpu().clone() for layer in self.moe]}
+    def _extra(self, step: int) -> dict:
+        extra: dict = {"router_bias": [layer.expert_bias.detach().cpu().clone() for layer in self.moe]}
+        if self._checked is not None and self._checked[0] == step:
+            # the checkpoint carries the fingerprints its state was verified with
+            extra["sdc"] = {"step": step, "verified": self._verified_step == step,
+                            "digests": [sdc.hex_digest(d) for d in self._checked[1]]}
+        return extra
 
     def _checkpoint_step(self, step: int) -> bool:
         interval = self.train.checkpoint_interval
@@ -294,7 +300,7 @@ class Trainer:
         assert self.ckpt is not None
         if self._verified_step == step:
             self._verified_saved = step
-        self._pending_save_s = self.ckpt.start(step, self.model, self.optimizer, extra=self._extra(),
+        self._pending_save_s = self.ckpt.start(step, self.model, self.optimizer, extra=self._extra(step),
                                                data_position=self._data_position)
         if not self.train.async_checkpoint:
             # synchronous mode: the loop waits for the write itself
@@ -570,7 +576,9 @@ class Trainer:
         self.recorder.all_reduce(vec)
         t0 = time.perf_counter()
         block = [int(x) for x in vec.cpu().tolist()]
-        found = sdc.compare([tuple(block[r * n:(r + 1) * n]) for r in range(world)], self.sets)
+        lanes = [tuple(block[r * n:(r + 1) * n]) for r in range(world)]
+        found = sdc.compare(lanes, self.sets)
+        self._checked = (step, lanes)
         self._fingerprint_events(step, found, mine, f"{note}: ")
         if staged is not None:
             staged.digests, staged.verified = mine, found.ok
@@ -596,6 +604,7 @@ class Trainer:
         was replaced by the replayed one, None when nothing changed. Raises SdcError on
         every rank for a persistent fault."""
         found = sdc.compare(lanes, self.sets)
+        self._checked = (step, lanes)
         self._fingerprint_events(step, found, mine)
         holder = snapshot.holder()
         if found.ok:
@@ -630,6 +639,7 @@ class Trainer:
         if verdict.value == "transient":
             holder.drop_newer(self.layout, base.step)  # V+1.. held the corrupted state
         again = sdc.compare(replays[-1].lanes, self.sets)
+        self._checked = (step, replays[-1].lanes)
         staged.digests, staged.verified = replays[-1].lanes[self.spec.rank], again.ok
         if again.ok:
             self._verified_step = step
