@@ -28,8 +28,9 @@ Fault kinds understood here (``WORKER_KINDS``), each armed for the first step
     a Linear/MoE output in the forward). ``bit`` set: XOR that bit of the value's bits;
     else ``value_error``: ``x *= 1 + value_error`` (``x = value_error`` when x is 0). The
     element is chosen from (rank, at_step), so a ``persistent`` fault hits the same
-    element at every step from ``at_step`` on (a defective unit), re-executed steps of a
-    triage included; a one-shot fault fires once.
+    element at every step from ``at_step`` on (a defective unit; a flipped bit stays
+    stuck at the value its first flip gave it), re-executed steps of a triage included;
+    a one-shot fault fires once.
 Other kinds (node-down, partition, ...) are the agent's or the controller's; a rank
 logs and ignores them. ``after_s`` is the controller's delay and is ignored here.
 A ``stop`` command only sets ``stop_requested``; the training loop decides, together
@@ -125,6 +126,7 @@ class FaultHooks:
         self._nan_at_step: int | None = None
         self._sdc: list[SdcFault] = []
         self._sdc_fired: set[SdcFault] = set()
+        self._stuck: dict[SdcFault, int] = {}
         #: Called with (step, checkpoint path, reason) after ckpt-corrupt damaged a
         #: checkpoint; set once the reporter exists (it is built after these hooks).
         self.on_checkpoint_damaged: Callable[[int, str, str], object] | None = None
@@ -265,8 +267,13 @@ class FaultHooks:
             return
         t = candidates[fault.pick(self.rank, len(candidates))]
         index = fault.pick(self.rank + 7919, t.numel())
-        before, after = corrupt_element(t, index, fault.bit, fault.value_error)
         first = fault not in self._sdc_fired
+        # a persistent flip is a stuck bit: it keeps the value the first flip gave it (a
+        # flip at every step would toggle an accumulated weight back)
+        stuck = self._stuck.get(fault) if fault.persistent else None
+        before, after = corrupt_element(t, index, fault.bit, fault.value_error, stuck=stuck)
+        if fault.persistent and fault.bit is not None and stuck is None:
+            self._stuck[fault] = bit_of(t, index, fault.bit)
         self._sdc_fired.add(fault)
         if first or not fault.persistent:
             print(f"fleet: rank {self.rank} injected sdc ({fault.describe()}) at step {step}: element {index} of a "
@@ -330,9 +337,24 @@ class FaultHooks:
         os._exit(128 + signal.SIGKILL)
 
 
-def corrupt_element(t: torch.Tensor, index: int, bit: int | None, value_error: float) -> tuple[float, float]:
-    """Flip ``bit`` of element ``index`` of ``t`` (flat, in place), or scale it by
-    ``1 + value_error`` (set it to ``value_error`` when it is 0); returns (before, after)."""
+def _words(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().view(-1).view(ints)
+
+
+def bit_of(t: torch.Tensor, index: int, bit: int) -> int:
+    """Bit ``bit`` (modulo the element's width) of element ``index`` of ``t`` (flat)."""
+    size = 8 * t.element_size()
+    return (int(_words(t)[index].item()) >> (bit % size)) & 1
+
+
+def corrupt_element(t: torch.Tensor, index: int, bit: int | None, value_error: float, *,
+                    stuck: int | None = None) -> tuple[float, float]:
+    """Flip ``bit`` of element ``index`` of ``t`` (flat, in place; ``stuck``: set it to that
+    instead), or scale it by ``1 + value_error`` (set it to ``value_error`` when it is
+    0); returns (before, after)."""
     import torch
 
     with torch.no_grad():
@@ -340,10 +362,10 @@ def corrupt_element(t: torch.Tensor, index: int, bit: int | None, value_error: f
         before = float(flat[index].item())
         if bit is not None:
             size = t.element_size()
-            ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-            words = flat.view(ints)
+            words = _words(t)
             b = bit % (8 * size)
-            value = (int(words[index].item()) & ((1 << 8 * size) - 1)) ^ (1 << b)
+            value = int(words[index].item()) & ((1 << 8 * size) - 1)
+            value = value ^ (1 << b) if stuck is None else (value & ~(1 << b)) | (stuck << b)
             if value >= 1 << (8 * size - 1):  # back to the signed range of the integer view
                 value -= 1 << (8 * size)
             words[index] = value

@@ -12,7 +12,7 @@ sum could cancel; this one cannot for a single flipped bit: it changes the 64-bi
 order above 64 modulo it, checked by the tests). The words are read from the
 snapshot's packed buffers (workers/snapshot.py ``FlatState``): one sum per buffer.
 
-Comparison. ``replica_sets`` says which ranks' state of each class must be
+Comparison. ``parallel.replica_sets`` says which ranks' state of each class must be
 bit-identical; ``compare`` takes every rank's digests (all ranks hold all of them after
 the all-reduce) and names, in each set with a strict majority, the ranks that differ
 from it. Two copies that differ have no majority.
@@ -91,28 +91,6 @@ def state_lanes(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[int]
             lane = 3 if id(p) in experts else 1
             out.extend(lane for key in sorted(state) if isinstance(state[key], torch.Tensor))
     return out
-
-
-def replica_sets(meshes: parallel.Meshes, data_parallel: str) -> dict[str, list[list[int]]]:
-    """Per state class, the sets of global ranks whose local state must be bit-identical.
-
-    ``parallel.replica_sets`` where it exists; otherwise derived here for the layouts of
-    workers/parallel.py: DDP replicates dense state over all ranks and each expert
-    slice over its EDP group (ranks with the same EP index); FSDP shards everything
-    (singletons: nothing to compare).
-    """
-    own = getattr(parallel, "replica_sets", None)
-    if own is not None:
-        return own(meshes, data_parallel)
-    world, ep = meshes.world_size, meshes.ep_size
-    if data_parallel == "ddp":
-        return {"dense": [list(range(world))],
-                "experts": [list(range(j, world, ep)) for j in range(ep)]}
-    return {"dense": [[r] for r in range(world)], "experts": [[r] for r in range(world)]}
-
-
-def has_copies(sets: dict[str, list[list[int]]]) -> bool:
-    return any(len(s) > 1 for groups in sets.values() for s in groups)
 
 
 # ---- comparison ------------------------------------------------------------------------

@@ -152,7 +152,7 @@ class Trainer:
         self.flush: Callable[[], None] | None = None
         self.sdc_interval = spec.sdc_check_interval
         self.triggers = sdc.Triggers(spec.sdc_trigger_factor)
-        self.sets = sdc.replica_sets(self.meshes, self.train.data_parallel)
+        self.sets = parallel.replica_sets(self.meshes, self.train.data_parallel)
         self.sdc_log: list[dict] = []    # one record per triage (run()'s "sdc")
         self.sdc_check_s = 0.0           # seconds spent fingerprinting and comparing
         self._forced: dict[int, sdc.Trigger] = {}   # step -> the trigger that forces its check
@@ -162,6 +162,7 @@ class Trainer:
         self._verified_step = 0          # newest step whose check passed (for rollback without snapshots)
         self._verified_saved = 0         # newest such step a checkpoint was started from
         self._prev_norms: torch.Tensor | None = None
+        self._ambiguous_base: int | None = None  # rollback step of the first ambiguous verdict
         self._checked: tuple[int, list[tuple[int, ...]]] | None = None  # the last check: step, every rank's digests
         self._lanes: list[int] = []
         self._scratch: snapshot.FlatState | None = None  # fingerprint copy when snapshots are off
@@ -632,10 +633,17 @@ class Trainer:
             verdict = sdc.judge(lanes, found, replays, self.sets, step=step, base=base.step, trigger=trigger)
             if verdict.value != "ambiguous":
                 break
+        if verdict.value == "ambiguous" and self._ambiguous_base is not None:
+            # the copies still differ and still reproduce: a fault that repeats on one of
+            # them, which no majority names; the last agreeing state is the rollback
+            verdict.rollback_step = min(self._ambiguous_base, base.step)
+            verdict.evidence += f"; ambiguous again since step {self._ambiguous_base}: giving up"
         self._verdict(verdict, found)
-        if verdict.value == "persistent":
-            holder.drop_newer(self.layout, base.step)
+        if verdict.value == "persistent" or (verdict.value == "ambiguous" and self._ambiguous_base is not None):
+            holder.drop_newer(self.layout, verdict.rollback_step)
             self._raise(verdict)
+        if verdict.value == "ambiguous":
+            self._ambiguous_base = base.step
         if verdict.value == "transient":
             holder.drop_newer(self.layout, base.step)  # V+1.. held the corrupted state
         again = sdc.compare(replays[-1].lanes, self.sets)

@@ -160,3 +160,11 @@ def test_sdc_fault_arming_one_shot_and_persistent():
     hooks.inject_sdc(w[0], 2, [a])
     hooks.inject_sdc(w[0], 3, [b])
     assert torch.equal(a, b) and (a != 1).sum() == 1      # the same element every time
+    stuck = FaultHooks(0)
+    stuck.on_command(events_pb2.Command(command_id="c", fault=events_pb2.FaultSpec(
+        kind=FaultKind.SDC.wire, at_step=1, bit=30, persistent=True)))
+    f = stuck.sdc_due(1, "weight")
+    t = torch.full((4,), 0.5)
+    for step in (1, 2, 3):                                 # a stuck bit, not a toggle
+        stuck.inject_sdc(f, step, [t])
+        assert (t != 0.5).sum() == 1 and t.max() > 1e30
