@@ -50,7 +50,7 @@ MAX_REPLAYS = 2
 #: A trigger whose check finds the copies equal replays at most once per this many steps.
 TRIGGER_TRIAGE_EVERY = 50
 #: Triage replays at most this many steps (older verified state: the mismatch is reported).
-MAX_REPLAY_STEPS = 200
+MAX_REPLAY_STEPS = 100
 #: Running medians: window and the samples needed before a trigger can fire.
 MEDIAN_WINDOW = 20
 MEDIAN_WARMUP = 10

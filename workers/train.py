@@ -112,7 +112,8 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None, *,
 
     ``sdc``: one record per SDC triage (``first_bad_step``, ``detected_step``,
     ``suspects``, ``verdict``, ``replays``, ``rollback_step``, ``state``, ``mechanism``);
-    ``sdc_check_s``: seconds spent fingerprinting and comparing; ``sdc_digest``: this
+    ``sdc_check_s``: seconds spent fingerprinting and comparing (``sdc_triage_s``: in
+    re-executed steps); ``sdc_digest``: this
     rank's fingerprint of its final state (workers/sdc.py ``hex_digest``). ``hooks``:
     fault hooks to use instead of fresh ones (a benchmark arms faults on them directly
     with ``hooks.on_command``).
@@ -248,7 +249,8 @@ def _train(
         "restored_from": trainer.restored_from,
         "pg_init_s": pg_init_s, "restore_s": restore_s, "train_s": train_s,
         "step_wall_s": step_wall_s, "step_cpu_s": step_cpu_s,
-        "sdc": trainer.sdc_log, "sdc_check_s": trainer.sdc_check_s, "sdc_digest": trainer.final_digest(),
+        "sdc": trainer.sdc_log, "sdc_check_s": trainer.sdc_check_s, "sdc_triage_s": trainer.sdc_triage_s,
+        "sdc_digest": trainer.final_digest(),
     }
 
 

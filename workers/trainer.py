@@ -13,10 +13,19 @@
 * checkpoints (workers/checkpoint.py), asynchronous by default.
 
 Every step ends with one all-reduce of a small float64 vector over all ranks that carries
-the loss, the router loss, a stop vote, a "my checkpoint write is done" flag and the
-routed-token count of every expert of every MoE layer. Folding them into one collective
-means a stop command or a checkpoint commit takes effect on every rank after the same
-step, and MoE router biases stay identical everywhere, without extra synchronisation.
+the loss, the router loss, a stop vote, a "my checkpoint write is done" flag, a
+non-finite-loss flag and an update-size vote per rank, the routed-token count of every
+expert of every MoE layer, and on SDC check steps every rank's fingerprint digests.
+Folding them into one collective means a stop command or a checkpoint commit takes
+effect on every rank after the same step, MoE router biases stay identical everywhere,
+and every rank sees every copy's fingerprint, without extra synchronisation.
+
+Silent data corruption (workers/sdc.py): on a check step (every ``sdc_check_interval``
+steps, every checkpoint step, and a step a trigger forced) the copies that must be
+identical are compared; a mismatch, or a trigger whose check found none, is triaged on
+every rank together by re-executing the steps since the newest verified in-memory
+snapshot. Transient, ambiguous (once) and clean verdicts continue on the replayed state;
+a persistent one (or an ambiguous one again) raises ``SdcError`` on every rank.
 """
 
 from __future__ import annotations
@@ -155,6 +164,7 @@ class Trainer:
         self.sets = parallel.replica_sets(self.meshes, self.train.data_parallel)
         self.sdc_log: list[dict] = []    # one record per triage (run()'s "sdc")
         self.sdc_check_s = 0.0           # seconds spent fingerprinting and comparing
+        self.sdc_triage_s = 0.0          # seconds spent re-executing steps in triage
         self._forced: dict[int, sdc.Trigger] = {}   # step -> the trigger that forces its check
         #: step -> this rank's (loss, router loss, logits digest): a replay's evidence
         self._local_loss: dict[int, tuple[float, float, int]] = {}
@@ -621,6 +631,7 @@ class Trainer:
             if found.ok:
                 return None
             self._unreplayable(step, found, lanes)
+        t_triage = time.perf_counter()
         replays: list[sdc.Replay] = []
         last = None
         for i in range(sdc.MAX_REPLAYS):
@@ -633,6 +644,8 @@ class Trainer:
             verdict = sdc.judge(lanes, found, replays, self.sets, step=step, base=base.step, trigger=trigger)
             if verdict.value != "ambiguous":
                 break
+        self.sdc_triage_s += time.perf_counter() - t_triage
+        self.sdc_check_s -= time.perf_counter() - t_triage  # the caller times the whole check
         if verdict.value == "ambiguous" and self._ambiguous_base is not None:
             # the copies still differ and still reproduce: a fault that repeats on one of
             # them, which no majority names; the last agreeing state is the rollback
