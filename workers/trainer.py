@@ -443,7 +443,8 @@ class Trainer:
                     aux = self._aux_loss()
                 ((loss + aux) / accum).backward()
                 # an activation fault can move the loss by less than its last bit; not the logits
-                logit_bits += sdc.bit_sum(logits.detach())
+                if self.sdc_active:
+                    logit_bits += sdc.bit_sum(logits.detach())
                 loss_sum += loss.item() / accum
                 aux_sum += aux.detach().item() / accum
                 for i, layer in enumerate(self.moe):
