@@ -221,7 +221,15 @@ def detection(faults: int, interval: int, seed: int, work: Path) -> dict:
         if hit is None:
             errors = [r["error"] for r in ranks if r.get("error")]
             seen = _verdicts(ranks)
-            reason = errors[0] if errors else (f"verdicts {seen}" if seen else "no check disagreed")
+            if errors:
+                reason = errors[0]
+            elif seen:
+                reason = "verdicts " + "; ".join(f"{v.get('verdict')} at step {v.get('detected_step')}" for v in seen)
+            elif f["target"] == "activation":
+                reason = ("an activation error changes only this rank's local gradient, which the gradient "
+                          "all-reduce hands to every copy alike, and no trigger fired")
+            else:
+                reason = "no check disagreed"
             misses.append(f"{what}: {reason}")
             continue
         detected += 1

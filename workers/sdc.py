@@ -332,7 +332,8 @@ def judge(original: Sequence[Sequence[int]], found: Comparison, replays: list[Re
         return verdict("transient", sorted(suspects), found.state,
                        f"copies differed ({found.state}) at step {step}; the replay from step {base} made them "
                        f"agree" + ("" if len(reproduced) == len(original) else
-                                   f"; the majority reproduced itself on {len(reproduced)} ranks"))
+                                   f"; {len(original) - len(reproduced)} of {len(original)} ranks' replayed state "
+                                   "differs from their original (the corruption had spread through the gradients)"))
     if last.first_mismatch is not None:
         first_bad = last.first_mismatch  # the repeating fault showed where it strikes
     if again.suspects:
