@@ -1,17 +1,19 @@
 """Silent-data-corruption checks: what they cost per step, and what they catch.
 
-    python bench/sdc.py [--pairs 5] [--steps 80] [--faults 56] [--seed 0] [--interval 10]
+    python bench/sdc.py [--blocks 4] [--steps 80] [--faults 56] [--seed 0] [--interval 10]
 
 4 gloo ranks on 127.0.0.1 (2 simulated nodes x 2 ranks) train fleet's tiny Llama-4-style
 MoE model with the built-in trainer (``fleet.workers.train.run``, telemetry discarded),
 each rank its own process, as torchrun would start them. Three parts, one run:
 
   * **Overhead.** For N = 1, 10, 100: runs with fingerprint checks every N steps
-    against runs with every check off (no fingerprints, no triggers), alternating in
-    pairs (off/on, then on/off, ...) so machine noise hits both sides alike. Per run the
-    figure is the median step time (whole loop iteration, after the warm-up steps, slowest
-    rank); ``overhead_ratio_nN`` is the median over pairs of on/off. Also measured inside
-    the runs, free of noise: the seconds the checks themselves took per step.
+    against runs with every check off (no fingerprints, no triggers), in blocks of four
+    (off/on/on/off, then on/off/off/on: drift, and the first run of a block being slower,
+    hit both sides alike). Per run the figure is the median step time (whole loop
+    iteration, after the warm-up steps, slowest rank); ``overhead_ratio_nN`` is the median
+    over blocks of mean(on)/mean(off); ``cpu_overhead_ratio_nN`` the same for CPU seconds
+    per step of all ranks. Also measured inside the runs, free of noise: the seconds the
+    checks themselves took per step (``check_cost_ratio_nN`` = 1 + that / step time).
   * **Detection.** ``--faults`` faults injected at random steps on random ranks, spread over
     weights, gradients, optimizer state and activations, on replicated state (``ddp``: four
     copies) and sharded state (``hsdp``: sharded inside a node, one copy per node), as
@@ -100,7 +102,7 @@ def _rank_main(rank: int, plan_path: str, out_path: str) -> None:
         row: dict = {"trial": i}
         try:
             res = train.run(spec, listen, hooks=hooks)
-            row.update(step_wall_s=res["step_wall_s"], sdc=res.get("sdc", []), sdc_check_s=res.get("sdc_check_s", 0.0),
+            row.update(step_wall_s=res["step_wall_s"], step_cpu_s=res["step_cpu_s"], sdc=res.get("sdc", []), sdc_check_s=res.get("sdc_check_s", 0.0),
                        final_step=res["final_step"])
         except SdcError as exc:
             row.update(step_wall_s=[], sdc=[{"first_bad_step": exc.step, "detected_step": exc.step,
@@ -145,6 +147,12 @@ def _step_s(ranks: list[dict]) -> float:
     return max(meds) if len(meds) == WORLD else float("nan")
 
 
+def _cpu_s(ranks: list[dict]) -> float:
+    """CPU seconds per step of the whole job: every rank's median after the warm-up, summed."""
+    meds = [statistics.median(r["step_cpu_s"][WARMUP_STEPS:]) for r in ranks if len(r.get("step_cpu_s", [])) > WARMUP_STEPS]
+    return sum(meds) if len(meds) == WORLD else float("nan")
+
+
 def _verdicts(ranks: list[dict]) -> list[dict]:
     """The triage outcomes of a trial (every rank reports the same ones: take the longest list)."""
     return max((r.get("sdc", []) for r in ranks), key=len)
@@ -152,41 +160,49 @@ def _verdicts(ranks: list[dict]) -> list[dict]:
 
 # ---- the three parts ----------------------------------------------------------------------
 
-def overhead(pairs: int, steps: int, work: Path) -> tuple[dict, int, list[str]]:
-    """Alternating off/on pairs for N = 1, 10, 100: ratios, check cost, false incidents."""
+def overhead(blocks: int, steps: int, work: Path) -> tuple[dict, int, list[str]]:
+    """For N = 1, 10, 100: ``blocks`` blocks of four runs, off/on/on/off then on/off/off/on
+    (ABBA: a drift, or the first run of a block being slower, hits both sides alike).
+    Per block the ratio of the mean step times; the figure is the median over blocks.
+    Also: CPU per step (all ranks), the checks' own measured cost, false incidents."""
     trials, tags = [], []
     for n in (1, 10, 100):
-        for p in range(pairs):
-            off = {"layout": "ddp", "steps": steps, "interval": 0, "trigger_factor": 0.0, "seed": p}
-            on = {"layout": "ddp", "steps": steps, "interval": n, "trigger_factor": 10.0, "seed": p}
-            order = (off, on) if p % 2 == 0 else (on, off)
-            for t in order:
+        for b in range(blocks):
+            off = {"layout": "ddp", "steps": steps, "interval": 0, "trigger_factor": 0.0, "seed": b}
+            on = {"layout": "ddp", "steps": steps, "interval": n, "trigger_factor": 10.0, "seed": b}
+            for t in ((off, on, on, off) if b % 2 == 0 else (on, off, off, on)):
                 trials.append(t)
-                tags.append((n, p, "off" if t is off else "on"))
+                tags.append((n, b, "off" if t is off else "on"))
     t0 = time.monotonic()
     print(f"overhead: {len(trials)} runs of {steps} steps ...", flush=True)
     runs = _run_plan(trials, work / "overhead", "overhead", timeout_s=3600)
     print(f"overhead: done in {time.monotonic() - t0:.0f} s", flush=True)
-    by: dict[tuple[int, int], dict[str, float]] = {}
+    wall: dict[tuple[int, int], dict[str, list[float]]] = {}
+    cpu: dict[tuple[int, int], dict[str, list[float]]] = {}
     check_s_per_step: dict[int, list[float]] = {1: [], 10: [], 100: []}
     false_incidents, notes = 0, []
-    for (n, p, mode), ranks in zip(tags, runs, strict=True):
+    for (n, b, mode), ranks in zip(tags, runs, strict=True):
         errors = [r["error"] for r in ranks if r.get("error")]
         if errors:
-            notes.append(f"N={n} pair {p} {mode}: {errors[0]}")
-        by.setdefault((n, p), {})[mode] = _step_s(ranks)
+            notes.append(f"N={n} block {b} {mode}: {errors[0]}")
+        wall.setdefault((n, b), {}).setdefault(mode, []).append(_step_s(ranks))
+        cpu.setdefault((n, b), {}).setdefault(mode, []).append(_cpu_s(ranks))
         if mode == "on":
             found = [v for v in _verdicts(ranks) if v.get("verdict") != "clean"]
             false_incidents += len(found)
-            notes += [f"false incident N={n} pair {p}: {v}" for v in found]
+            notes += [f"false incident N={n} block {b}: {v}" for v in found]
             check_s_per_step[n].append(max(r.get("sdc_check_s", 0.0) for r in ranks) / steps)
-    out = {}
+    out: dict = {"fault_free_runs_checked": sum(1 for t in tags if t[2] == "on")}
     for n in (1, 10, 100):
-        ratios = [by[(n, p)]["on"] / by[(n, p)]["off"] for p in range(pairs)]
+        ratios = [statistics.mean(wall[(n, b)]["on"]) / statistics.mean(wall[(n, b)]["off"]) for b in range(blocks)]
+        cpu_ratios = [statistics.mean(cpu[(n, b)]["on"]) / statistics.mean(cpu[(n, b)]["off"]) for b in range(blocks)]
+        off_s = [x for b in range(blocks) for x in wall[(n, b)]["off"]]
         out[f"overhead_ratio_n{n}"] = round(statistics.median(ratios), 4)
-        out[f"pair_ratios_n{n}"] = [round(r, 4) for r in ratios]
-        out[f"step_ms_off_n{n}"] = round(statistics.median(by[(n, p)]["off"] for p in range(pairs)) * 1e3, 3)
+        out[f"block_ratios_n{n}"] = [round(r, 4) for r in ratios]
+        out[f"cpu_overhead_ratio_n{n}"] = round(statistics.median(cpu_ratios), 4)
+        out[f"step_ms_off_n{n}"] = round(statistics.median(off_s) * 1e3, 3)
         out[f"check_ms_per_step_n{n}"] = round(statistics.median(check_s_per_step[n]) * 1e3, 4)
+        out[f"check_cost_ratio_n{n}"] = round(1 + out[f"check_ms_per_step_n{n}"] / out[f"step_ms_off_n{n}"], 5)
     return out, false_incidents, notes
 
 
@@ -199,7 +215,8 @@ def detection(faults: int, interval: int, seed: int, work: Path) -> dict:
         layout = LAYOUTS[(i // len(TARGETS)) % len(LAYOUTS)]
         at_step = rng.randint(WARMUP_STEPS + 2, WARMUP_STEPS + 2 + 2 * interval)
         fault = {"rank": rng.randrange(WORLD), "at_step": at_step, "target": target}
-        if i % 2 == 0:
+        # bit flips and relative errors in turn, per round of every (layout, target) pair
+        if (i // (len(TARGETS) * len(LAYOUTS))) % 2 == 0:
             fault["bit"] = rng.randrange(32)
         else:
             fault["value_error"] = rng.choice((-1, 1)) * 10 ** rng.uniform(-3, -1)
@@ -254,27 +271,28 @@ def main() -> int:
         _rank_main(int(sys.argv[2]), sys.argv[3], sys.argv[4])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairs", type=int, default=5, help="off/on pairs per interval (default 5)")
+    ap.add_argument("--blocks", type=int, default=4, help="off/on/on/off blocks per interval (default 4)")
     ap.add_argument("--steps", type=int, default=80, help="steps per overhead run (default 80)")
     ap.add_argument("--faults", type=int, default=56, help="faulty runs, one fault each (default 56)")
     ap.add_argument("--interval", type=int, default=10, help="check interval of the detection runs (default 10)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the fault plan (default 0)")
     ap.add_argument("--skip-overhead", action="store_true", help="only the detection part")
     a = ap.parse_args()
-    if a.pairs < 1 or a.steps <= WARMUP_STEPS + 5 or a.faults < 1 or a.interval < 1:
-        ap.error(f"--pairs >= 1, --steps > {WARMUP_STEPS + 5}, --faults >= 1 and --interval >= 1")
+    if a.blocks < 1 or a.steps <= WARMUP_STEPS + 5 or a.faults < 1 or a.interval < 1:
+        ap.error(f"--blocks >= 1, --steps > {WARMUP_STEPS + 5}, --faults >= 1 and --interval >= 1")
     with tempfile.TemporaryDirectory(prefix="fleet-sdc-bench-") as tmp:
         work = Path(tmp)
         result: dict = {}
         notes: list[str] = []
         false_incidents = 0
         if not a.skip_overhead:
-            ov, false_incidents, notes = overhead(a.pairs, a.steps, work)
+            ov, false_incidents, notes = overhead(a.blocks, a.steps, work)
             result.update(ov)
             for n in (1, 10, 100):
                 print(f"N={n:<4} step time ratio on/off {ov[f'overhead_ratio_n{n}']:.4f} "
-                      f"(pairs {ov[f'pair_ratios_n{n}']}), check cost {ov[f'check_ms_per_step_n{n}']:.3f} ms/step "
-                      f"of {ov[f'step_ms_off_n{n}']:.1f} ms")
+                      f"(blocks {ov[f'block_ratios_n{n}']}), CPU per step {ov[f'cpu_overhead_ratio_n{n}']:.4f}, "
+                      f"the checks themselves {ov[f'check_ms_per_step_n{n}']:.3f} ms/step of "
+                      f"{ov[f'step_ms_off_n{n}']:.1f} ms = {ov[f'check_cost_ratio_n{n}']:.5f}")
         det = detection(a.faults, a.interval, a.seed, work)
         result.update(det)
         result["false_incidents"] = false_incidents

@@ -542,7 +542,8 @@ class Watchdog:
     def _sdc_verdicts(self, w: _Watched) -> list[Incident]:
         """Side incidents of the watched attempt's verdict rows stored since the last read."""
         try:
-            rows = [r for r in self._store.sdc_checks(self._job_id, w.number) if r.kind == "verdict"]
+            # verdict rows are few (one per triage): read them all, judge each once
+            rows = self._store.sdc_checks(self._job_id, w.number, kind="verdict")
         except Exception:  # noqa: BLE001 - read again at the next poll
             log.exception("reading the SDC checks of attempt %d failed", w.number)
             return []

@@ -254,11 +254,15 @@ class TelemetryMethods(StoreBase):
             s.flush()
             return row.id
 
-    def sdc_checks(self, job_id: str, attempt: int | None = None) -> list[SdcCheckRecord]:
-        """The job's SDC checks ordered by attempt, step, then as recorded."""
+    def sdc_checks(self, job_id: str, attempt: int | None = None, *,
+                   kind: str | None = None) -> list[SdcCheckRecord]:
+        """The job's SDC checks (only ``kind`` ones when given) ordered by attempt, step,
+        then as recorded."""
         stmt = select(SdcCheck).where(SdcCheck.job_id == job_id)
         if attempt is not None:
             stmt = stmt.where(SdcCheck.attempt == attempt)
+        if kind is not None:
+            stmt = stmt.where(SdcCheck.kind == kind)
         stmt = stmt.order_by(SdcCheck.attempt, SdcCheck.step, SdcCheck.id)
         with self._tx(write=False) as s:
             return [SdcCheckRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, rank=r.rank,

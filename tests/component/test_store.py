@@ -348,6 +348,8 @@ def test_sdc_checks(store: Store, job: str) -> None:
         None, "n2", "GPU 3 differs", "1.5", "1.0")
     assert gemm.time_ns > 1_600_000_000 * 10**9 and param.time_ns == 7
     assert (param.rank, param.node) == (1, "n1")
+    assert [c.id for c in store.sdc_checks(job, kind="fingerprint")] == [a]
+    assert [c.kind for c in store.sdc_checks(job, kind="replay")] == ["replay"]
     assert [c.attempt for c in store.sdc_checks(job)] == [1, 1, 2]
     assert store.sdc_checks("j-other") == []
     with pytest.raises(ValueError, match="kind"):
