@@ -15,14 +15,13 @@ ranks hold a copy of the whole training state), fingerprints compared every INTE
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.integration.test_fleet_up import FLEET, FleetUp, store_of, write_cluster
+from tests.integration.test_chaos import run_job
+from tests.integration.test_fleet_up import store_of, write_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -38,16 +37,6 @@ def sdc_cluster(tmp: Path, faults: list[dict], nodes: int = 3) -> Path:
     cfg["chaos"] = {"faults": faults}
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def run_job(tmp: Path, cluster: Path) -> tuple[dict, dict]:
-    run = FleetUp(tmp, cluster)
-    summary = run.finish(timeout_s=360)
-    run.assert_tree_gone()
-    out = subprocess.run([*FLEET, "report", summary["job_id"], "--json"], cwd=tmp,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return summary, json.loads(out.stdout)
 
 
 def final_digests(tmp: Path, job_id: str) -> dict[int, str]:
