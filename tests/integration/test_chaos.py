@@ -199,7 +199,7 @@ def test_controller_crash_then_resume_goes_on_from_the_checkpoint(tmp_path: Path
         assert time.monotonic() < deadline, "the controller never crashed"
         crashed.sample()
         time.sleep(0.1)
-    crashed.proc.communicate()
+    crashed.wait()
     assert crashed.proc.returncode == -signal.SIGKILL
     job_id = controller_job(tmp_path)
     with store_of(tmp_path) as st:

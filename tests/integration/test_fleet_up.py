@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -38,25 +39,46 @@ class FleetUp:
 
     def __init__(self, tmp: Path, cluster: Path, args: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
+        # output goes to files, not pipes: a pipe nobody reads until the end fills up (64 KiB)
+        # on a long or chatty run, and `fleet up` would block writing to it
+        self._outputs = [tempfile.NamedTemporaryFile("w+", dir=tmp, prefix="fleet-up-", suffix=f".{name}",
+                                                     delete=False) for name in ("out", "err")]
         self.proc = subprocess.Popen(
             [*FLEET, "up", "--cluster", str(cluster), "--json", *args],
-            cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=tmp, stdout=self._outputs[0], stderr=self._outputs[1], text=True,
         )
         self.seen_pids: set[int] = set()
         self.listening: set[tuple[str, int, str]] = set()
 
+    def output(self) -> tuple[str, str]:
+        """What `fleet up` has written so far: (stdout, stderr)."""
+        return tuple(Path(f.name).read_text() for f in self._outputs)  # type: ignore[return-value]
+
+    def wait(self, timeout_s: float | None = None) -> tuple[str, str]:
+        """Wait for `fleet up` to exit (``subprocess.TimeoutExpired`` after ``timeout_s``);
+        its (stdout, stderr)."""
+        self.proc.wait(timeout=timeout_s)
+        for f in self._outputs:
+            f.close()
+        return self.output()
+
     def sample(self) -> None:
-        """Record the process tree and every listening socket in it."""
+        """Record the process tree and every listening socket in it (one read of the
+        system's sockets, not one per process: that is slow with many sockets open)."""
         try:
-            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+            tree = {p.pid: p for p in (psutil.Process(self.proc.pid),
+                                       *psutil.Process(self.proc.pid).children(recursive=True))}
         except psutil.Error:
             return
-        for p in tree:
-            self.seen_pids.add(p.pid)
+        self.seen_pids.update(tree)
+        try:
+            listening = [c for c in psutil.net_connections(kind="inet")
+                         if c.status == psutil.CONN_LISTEN and c.pid in tree]
+        except psutil.Error:
+            return
+        for c in listening:
             try:
-                for c in p.net_connections(kind="inet"):
-                    if c.status == psutil.CONN_LISTEN:
-                        self.listening.add((c.laddr.ip, c.laddr.port, p.name()))
+                self.listening.add((c.laddr.ip, c.laddr.port, tree[c.pid].name()))
             except psutil.Error:
                 pass
 
@@ -76,10 +98,10 @@ class FleetUp:
             self.sample()
             time.sleep(0.2)
         try:
-            out, self._err = self.proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out, self._err = self.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            out, self._err = self.proc.communicate()
+            out, self._err = self.wait()
             raise AssertionError(f"fleet up did not finish in {timeout_s} s: {self._err[-3000:]}") from None
         assert self.proc.returncode == 0, f"fleet up exited {self.proc.returncode}: {self._err[-3000:]}"
         return json.loads(out)
@@ -304,7 +326,7 @@ def test_ctrl_c_stops_the_job_and_tears_everything_down(tmp_path: Path) -> None:
     run.sample()
     run.proc.send_signal(signal.SIGINT)
     try:
-        _, err = run.proc.communicate(timeout=90)
+        _, err = run.wait(90)
     except subprocess.TimeoutExpired:
         run.proc.kill()
         raise
@@ -388,7 +410,7 @@ def test_too_few_healthy_nodes_waits_then_fails_naming_the_quarantined_ones(tmp_
     _quarantine_ahead(tmp_path, "node-1", "crashed twice")
     cluster = _cluster_with(tmp_path, 2, steps=30, checkpoint_interval=10, capacity_wait_s=3)
     run = FleetUp(tmp_path, cluster)
-    out, err = run.proc.communicate(timeout=240)
+    out, err = run.wait(240)
     assert run.proc.returncode != 0
     assert "node-1 (crashed twice)" in err and "job.capacity_wait_s" in err
     with store_of(tmp_path) as st:

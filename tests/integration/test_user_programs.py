@@ -82,10 +82,10 @@ def finish_failing(run: FleetUp, timeout_s: float = 240) -> tuple[int, str]:
         run.sample()
         time.sleep(0.2)
     try:
-        _, err = run.proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        _, err = run.wait(max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         run.proc.kill()
-        run.proc.communicate()
+        run.wait()
         raise AssertionError(f"fleet up did not end in {timeout_s} s") from None
     return run.proc.returncode, err
 
