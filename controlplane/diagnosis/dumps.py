@@ -34,10 +34,11 @@ import re
 from array import array
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
-from fleet.controlplane.diagnosis.traces import RankTrace, SignatureTable, TraceBuilder, TraceSet
+from fleet.controlplane.diagnosis.traces import GroupOps, GroupStatus, RankTrace, SignatureTable, TraceBuilder, TraceSet
 from fleet.controlplane.errors import DumpError
 from fleet.proto.flight_record import dtype_names, entry_done, entry_op
 from fleet.proto.vocab import split_op
@@ -173,51 +174,105 @@ def rank_trace(rank: int, path: Path, table: SignatureTable) -> RankTrace:
                 builder.declare_group(str(name), str(cfg.get("desc", "")), _parse_ranks(cfg.get("ranks")))
     except (TypeError, ValueError, AttributeError) as exc:
         raise DumpError(f"{path}: malformed pg_config ({type(exc).__name__}: {exc})") from None
-    _convert_entries(builder, doc.get("entries") or [], table)  # names the file and entry itself
+    entries = doc.get("entries") or []
+    pg_ids = _convert_entries(builder, entries, table)  # names the file and entry itself
+    _read_status(builder.trace, doc.get("pg_status"), pg_ids, entries)
     return builder.finish()
 
 
-def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable) -> None:
+#: The fields every 2.x entry has, read in one C call per entry.
+_CORE = itemgetter("process_group", "profiling_name", "input_sizes", "output_sizes", "input_dtypes",
+                   "output_dtypes", "time_created_ns", "collective_seq_id")
+
+
+def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable) -> dict[str, str]:
+    """Convert the entries into the builder's trace; returns the entries' ``pg_id`` ->
+    group name (how gloo keys ``pg_status``). This loop is most of a dump's reading
+    cost after unpickling, so the common case (an in-order collective with a signature
+    seen before) is a few dict lookups and list appends."""
     trace = builder.trace
-    # Raw-field key -> signature id: most entries repeat a handful of signatures, so the
-    # cheap repr key avoids normalising sizes for every entry.
+    # Raw-field key -> signature id: most entries repeat a handful of signatures, so a
+    # cheap text key avoids normalising sizes and names for every entry.
     local: dict[tuple, int] = {}
     descs = trace.group_desc
+    groups = trace.groups
+    pg_ids: dict[str, str] = {}
     i = 0
     try:
         for i, e in enumerate(entries):
-            if not isinstance(e, dict):
-                raise DumpError(f"{trace.source}: entry {i} is {type(e).__name__}, not a dict")
-            if i == 0:
-                trace.first_record = int(e["record_id"])
-            pg = e["process_group"]
-            group = pg[0] if type(pg[0]) is str else str(pg[0])
+            pg, pn, ins, outs, ind, outd, enter, seq = _CORE(e)
+            group = pg[0]
+            if type(group) is not str:
+                group = str(group)
             if group not in descs:
                 descs[group] = str(pg[1]) if len(pg) > 1 else ""
-            pn = e["profiling_name"]
-            ins, outs, ind, outd = e["input_sizes"], e["output_sizes"], e["input_dtypes"], e["output_dtypes"]
-            raw = (pn, repr((ins, outs, ind, outd)))
+                pg_ids[str(e.get("pg_id"))] = group
+            raw = (pn, str(ins), str(outs), str(ind), str(outd))
             sig = local.get(raw)
             if sig is None:
                 op, _meta = split_op(entry_op(e))
                 sig = local[raw] = table.intern(op, ins or (), outs or (), dtype_names(ind), dtype_names(outd))
             done = entry_done(e)
-            enter = e["time_created_ns"] or 0
             if type(enter) is not int:
-                enter = int(enter)
+                enter = int(enter or 0)
             if e.get("is_p2p"):
                 op, meta = split_op(entry_op(e))
                 builder.add_p2p(group, op, meta, int(e.get("p2p_seq_id") or 0), sig, enter, done)
                 continue
-            seq = e["collective_seq_id"]
             if type(seq) is not int:
                 seq = int(seq)
             if seq <= 0:
                 continue
-            builder.add_collective(group, seq, sig, enter, int(e.get("time_discovered_completed_ns") or 0), done)
+            exit_ns = e.get("time_discovered_completed_ns") or 0
+            ops = groups.get(group)
+            if ops is None:
+                ops = groups[group] = GroupOps()
+            seqs = ops.seqs
+            if seqs and seq <= seqs[-1]:  # coalesced or out of order: the builder's slow path
+                builder.add_collective(group, seq, sig, enter, int(exit_ns), done)
+                continue
+            seqs.append(seq)
+            ops.sigs.append(sig)
+            ops.enter_ns.append(enter)
+            ops.exit_ns.append(exit_ns if type(exit_ns) is int else int(exit_ns))
+            ops.done.append(done)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        e = entries[i]
+        if not isinstance(e, dict):
+            raise DumpError(f"{trace.source}: entry {i} is {type(e).__name__}, not a dict") from None
         raise DumpError(f"{trace.source}: malformed entry {i} ({type(exc).__name__}: {exc})") from None
+    if entries:
+        try:
+            trace.first_record = int(entries[0].get("record_id") or 0)
+        except (TypeError, ValueError):
+            raise DumpError(f"{trace.source}: malformed entry 0 (record_id)") from None
     trace.entries = len(entries)
+    return pg_ids
+
+
+def _read_status(trace: RankTrace, status: Any, pg_ids: dict[str, str], entries: list) -> None:
+    """The dump's ``pg_status`` counters by group name.
+
+    NCCL keys them by group name; gloo by the rank-local ``pg_id``, which the entries map
+    to a name (``pg_ids``). A key neither maps is kept only when it is a group the dump
+    declares (``pg_config``), or ``"0"``, the world under either scheme. gloo's counters
+    include point-to-point ops it never records, so they are flagged as such (its
+    entries' state is always ``scheduled``)."""
+    if not isinstance(status, dict):
+        return
+    gloo_like = bool(entries) and all(e.get("state") == "scheduled" for e in entries[-8:])
+    for key, counters in status.items():
+        key = str(key)
+        name = pg_ids.get(key) or (key if key in trace.group_ranks or key == "0" else None)
+        if name is None or not isinstance(counters, dict):
+            continue
+        try:
+            trace.status[name] = GroupStatus(
+                int(counters.get("last_enqueued_collective", -1)),
+                int(counters.get("last_started_collective", -1)),
+                int(counters.get("last_completed_collective", -1)), counts_p2p=gloo_like)
+        except (TypeError, ValueError):
+            raise DumpError(f"{trace.source}: malformed pg_status for group {key!r}") from None
 
 
 def _read_chunk(items: list[tuple[int, str]]) -> tuple[list[RankTrace], list]:

@@ -126,6 +126,22 @@ class P2POp:
     done: bool
 
 
+@dataclass(frozen=True, slots=True)
+class GroupStatus:
+    """A rank's own counters for one group (a dump's ``pg_status``): the sequence number
+    of the newest collective it enqueued, started and completed (-1: none/unknown).
+
+    They matter where entries are absent: an ``onlyActive`` dump keeps no completed
+    entries, and a dump taken while the rank held the GIL keeps none at all. gloo counts
+    point-to-point ops in them too (``counts_p2p``), so there they are not collective
+    sequence numbers."""
+
+    enqueued: int = -1
+    started: int = -1
+    completed: int = -1
+    counts_p2p: bool = False
+
+
 @dataclass(slots=True)
 class RankTrace:
     rank: int
@@ -134,6 +150,7 @@ class RankTrace:
     p2p: dict[str, list[P2POp]] = field(default_factory=dict)
     group_desc: dict[str, str] = field(default_factory=dict)
     group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # declared members
+    status: dict[str, GroupStatus] = field(default_factory=dict)          # by group name
     entries: int = 0
     first_record: int = 0                                   # ring position of the first entry
 
