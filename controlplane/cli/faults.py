@@ -11,7 +11,6 @@ import typer
 from fleet.controlplane.chaos import FAULT_KINDS, KIND_HELP, SDC_TARGETS, FaultOrder, validate_order
 from fleet.controlplane.cli.common import JsonOpt, StateDirOpt
 from fleet.controlplane.cli.render import console, print_json
-from fleet.controlplane.client import ControlClient
 from fleet.controlplane.errors import ConfigError
 from fleet.workers.faults import DEFAULT_SLOW_DELAY_S
 
@@ -44,6 +43,8 @@ def inject_fault(
     json_out: JsonOpt = False,
 ) -> None:
     """Inject a fault into a running job: CLI -> ControlService -> controller, agent or worker."""
+    from fleet.controlplane.client import ControlClient  # gRPC: only when a controller is asked
+
     if rank is not None and rank < 0:
         raise ConfigError(f"--rank: must be >= 0 (got {rank})")
     order = FaultOrder(kind=kind, rank=-1 if rank is None else rank, node=node or "", at_step=at_step,

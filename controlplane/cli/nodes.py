@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -21,7 +21,9 @@ from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StateDirOpt, Stor
 from fleet.controlplane.cli.render import console, err_console, fmt_time, print_json, print_table
 from fleet.controlplane.errors import ConfigError, NotFoundError, StateError, UnavailableError
 from fleet.controlplane.lifecycle import NodeActor, NodeState
-from fleet.controlplane.store import NodeTransitionRecord, SdcCheckRecord
+
+if TYPE_CHECKING:  # the store imports SQLAlchemy: only the commands that read it pay for it
+    from fleet.controlplane.store import NodeTransitionRecord, SdcCheckRecord
 
 _RELEASED = "released by an operator"
 #: How long `fleet release` waits for the GEMM test by default (the first one on a node

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-import yaml
-from pydantic import ValidationError
 
-from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, ClusterConfig
 from fleet.controlplane.errors import ConfigError
-from fleet.workers.spec import TrainArgs, documented_fields
+
+if TYPE_CHECKING:  # the config imports pydantic and gRPC: only `fleet run` itself pays for them
+    from fleet.controlplane.config import ClusterConfig
 
 #: What `fleet run` names itself in errors (where `fleet up` names the cluster file).
 SOURCE = "fleet run"
@@ -84,6 +83,12 @@ def run_config(target: str, args: Sequence[str], *, module: bool = False, nodes:
                state_dir: Path = Path(".fleet"), workdir: Path | None = None) -> ClusterConfig:
     """The cluster config `fleet run` runs ``target`` (a script path relative to
     ``workdir``, or a module with ``module``) with; ``ConfigError`` names a bad value."""
+    import yaml
+    from pydantic import ValidationError
+
+    from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, ClusterConfig
+    from fleet.workers.spec import TrainArgs, documented_fields
+
     data: dict[str, Any] = yaml.safe_load(DEFAULT_CLUSTER_FILE.read_text(encoding="utf-8")) or {}
     recipe = {*documented_fields(TrainArgs), "model"}
     job = {k: v for k, v in (data.get("job") or {}).items() if k not in recipe}

@@ -19,12 +19,11 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fleet.controlplane.cli.render import console, err_console, print_json
-from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, ClusterConfig, load_cluster_config
-from fleet.controlplane.entrypoint import check_entrypoint
 from fleet.controlplane.errors import FleetError, Interrupted, JobFailedError
 from fleet.controlplane.lifecycle import JobState
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the config imports pydantic and gRPC: only `fleet up` itself pays for them
+    from fleet.controlplane.config import ClusterConfig
     from fleet.controlplane.controller import Progress as JobProgress
     from fleet.controlplane.store import Store
 
@@ -45,8 +44,9 @@ def _setup_logging(state_dir: Path, verbose: bool) -> Path:
 
 def up(
     cluster: Annotated[
-        Path, typer.Option("--cluster", "-c", help="cluster.yaml to run [default: examples/local.yaml].")
-    ] = DEFAULT_CLUSTER_FILE,
+        Path | None, typer.Option("--cluster", "-c", help="cluster.yaml to run [default: examples/local.yaml].",
+                                  show_default="examples/local.yaml")
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show controller logs.")] = False,
     resume: Annotated[
@@ -56,6 +56,10 @@ def up(
     ] = "",
 ) -> None:
     """Run the job described in a cluster.yaml until it succeeds, fails for good, or is stopped."""
+    from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
+    from fleet.controlplane.entrypoint import check_entrypoint
+
+    cluster = DEFAULT_CLUSTER_FILE if cluster is None else cluster
     config = load_cluster_config(cluster)
     check_entrypoint(config, str(cluster))
     run_job(config, json_out=json_out, verbose=verbose, resume=resume)
