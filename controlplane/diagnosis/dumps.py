@@ -63,28 +63,79 @@ class _PlainDataUnpickler(pickle.Unpickler):
 
 
 def discover(folder: Path, prefix: str | None = None) -> dict[int, Path]:
-    """The dump files of ``folder`` by rank. Without ``prefix`` it is inferred from the
-    names (all files must share one); raises ``DumpError`` when there is nothing to read."""
+    """The dump files of ``folder`` by rank; raises ``DumpError`` when there is nothing
+    to read, or when the files do not make one set.
+
+    Without ``prefix`` the names are ``<prefix><rank>``, the prefix inferred: one shared
+    by every file, or per-host prefixes ``<prefix><host>_<rank>`` (pytorch/pytorch#140879:
+    each host writes with its own name in the prefix), read as one set when those
+    prefixes share a beginning, all end in ``_`` and no rank has two files. With
+    ``prefix``: the files named ``<prefix><rank>``, else (when there are none) those
+    named ``<prefix><anything>_<rank>``."""
     if not folder.is_dir():
         raise DumpError(f"{folder}: not a folder of flight-recorder dumps")
     by_prefix: dict[str, dict[int, Path]] = {}
+    exact: dict[int, Path] = {}
+    hosts: list[tuple[int, Path]] = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if entry.name.startswith(".") or not entry.is_file():
             continue
         if prefix is not None:
-            if entry.name.startswith(prefix) and entry.name[len(prefix):].isdigit():
-                by_prefix.setdefault(prefix, {})[int(entry.name[len(prefix):])] = Path(entry.path)
+            rest = entry.name[len(prefix):]
+            m = _REST.match(rest) if entry.name.startswith(prefix) else None
+            if m and rest.isdigit():
+                _add_file(folder, exact, int(rest), Path(entry.path))
+            elif m:
+                hosts.append((int(m.group(1)), Path(entry.path)))
             continue
         m = _NAME.match(entry.name)
         if m:
             by_prefix.setdefault(m.group(1), {})[int(m.group(2))] = Path(entry.path)
+    if prefix is not None:
+        if not exact and not hosts:
+            raise DumpError(f"{folder}: no dump files named {prefix}<rank> or {prefix}<host>_<rank>")
+        if exact:  # <prefix><rank> files, when there are any, are the set
+            return exact
+        for rank, path in hosts:
+            _add_file(folder, exact, rank, path)
+        return exact
     if not by_prefix:
-        wanted = f"named {prefix}<rank>" if prefix is not None else "named <prefix><rank>"
-        raise DumpError(f"{folder}: no dump files {wanted}")
-    if len(by_prefix) > 1:
+        raise DumpError(f"{folder}: no dump files named <prefix><rank>")
+    if len(by_prefix) == 1:
+        return next(iter(by_prefix.values()))
+    if not _per_host(list(by_prefix)):
         counts = ", ".join(f"{p!r} ({len(f)} files)" for p, f in sorted(by_prefix.items()))
         raise DumpError(f"{folder}: files with several prefixes: {counts}; choose one with --prefix")
-    return next(iter(by_prefix.values()))
+    chosen: dict[int, Path] = {}
+    for files in by_prefix.values():
+        for rank, path in files.items():
+            _add_file(folder, chosen, rank, path)
+    return chosen
+
+
+#: What follows a given --prefix: ``<rank>`` or ``<anything>_<rank>``.
+_REST = re.compile(r"^(?:.*_)?(\d+)$")
+
+
+def _per_host(prefixes: list[str]) -> bool:
+    """Whether several inferred prefixes read as ``<prefix><host>_``: a shared beginning
+    that ends in a separator (``nccl_trace_``, ``trace_node-``), then a host name and
+    ``_``. Unrelated names (``fr_dump_`` and ``old_``, ``notes_`` and ``nccl_``) do not."""
+    common = os.path.commonprefix(prefixes)
+    return bool(_SHARED.match(common)) and all(p.endswith("_") for p in prefixes)
+
+
+#: The beginning of a shared prefix up to its last separator, if it has one.
+_SHARED = re.compile(r"^.*[^0-9A-Za-z]")
+
+
+def _add_file(folder: Path, files: dict[int, Path], rank: int, path: Path) -> None:
+    """File ``path`` as ``rank``'s dump; a second file for one rank is an error naming both."""
+    other = files.get(rank)
+    if other is not None:
+        raise DumpError(f"{folder}: two files for rank {rank}: {other.name} and {path.name}; "
+                        f"choose one set with --prefix")
+    files[rank] = path
 
 
 def read_document(path: Path) -> dict[str, Any]:
@@ -176,8 +227,23 @@ def rank_trace(rank: int, path: Path, table: SignatureTable) -> RankTrace:
         raise DumpError(f"{path}: malformed pg_config ({type(exc).__name__}: {exc})") from None
     entries = doc.get("entries") or []
     pg_ids = _convert_entries(builder, entries, table)  # names the file and entry itself
+    builder.trace.dumped_ns = _dumped_ns(doc, path)
     _read_status(builder.trace, doc.get("pg_status"), pg_ids, entries)
     return builder.finish()
+
+
+def _dumped_ns(doc: dict[str, Any], path: Path) -> int:
+    """When the dump was written: fleet's own dumps say so (``fleet_dump.time_ns``, see
+    ``fleet.workers.flight``); for others the file's modification time stands in (a copy
+    that did not keep it makes every last op look old, which only matters for a rank that
+    left no file)."""
+    marker = doc.get("fleet_dump")
+    if isinstance(marker, dict) and isinstance(marker.get("time_ns"), int):
+        return marker["time_ns"]
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 #: The fields every 2.x entry has, read in one C call per entry.
@@ -197,6 +263,7 @@ def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable
     descs = trace.group_desc
     groups = trace.groups
     pg_ids: dict[str, str] = {}
+    timeouts = trace.group_timeout_ms
     i = 0
     try:
         for i, e in enumerate(entries):
@@ -207,6 +274,7 @@ def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable
             if group not in descs:
                 descs[group] = str(pg[1]) if len(pg) > 1 else ""
                 pg_ids[str(e.get("pg_id"))] = group
+                timeouts[group] = int(e.get("timeout_ms") or 0)
             raw = (pn, str(ins), str(outs), str(ind), str(outd))
             sig = local.get(raw)
             if sig is None:

@@ -151,6 +151,8 @@ class RankTrace:
     group_desc: dict[str, str] = field(default_factory=dict)
     group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # declared members
     status: dict[str, GroupStatus] = field(default_factory=dict)          # by group name
+    group_timeout_ms: dict[str, int] = field(default_factory=dict)        # the group's PG timeout
+    dumped_ns: int = 0                                      # when the dump was written (0: unknown)
     entries: int = 0
     first_record: int = 0                                   # ring position of the first entry
 
