@@ -1,9 +1,18 @@
 """`fleet replay`: the desync verdict, wavefront and timelines of a job's collectives
-(from the store) or of a folder of native flight-recorder dumps (`--dumps`)."""
+(from the store) or of a folder of native flight-recorder dumps (`fleet replay DIR`, or
+`--dumps DIR`).
+
+The positional argument is a folder of dumps when it names an existing directory, else a
+job id. With dumps, each finding also carries the Python stacks of the ranks it blames
+(``diagnosis.stacks``). ``--exit-code`` makes the verdict the exit status
+(``VERDICT_EXIT_CODES``), clear of the error codes (``fleet.controlplane.errors``: 1-7,
+130; 2 for usage errors too).
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,25 +28,38 @@ from fleet.controlplane.cli.render import (
     print_traceback,
     step_text,
 )
-from fleet.controlplane.errors import ConfigError, NotFoundError
+from fleet.controlplane.errors import ConfigError, DumpError, NotFoundError
+from fleet.proto.flight_record import P2P_SUFFIX
+
+#: Exit status of `fleet replay --exit-code` per verdict.
+VERDICT_EXIT_CODES = {"ok": 0, "mismatch": 10, "hang": 11, "straggler": 12, "empty": 13}
+#: Frames of one stack printed under a finding (``--json`` has them all).
+STACK_LINES = 8
 
 
 def replay(
-    job_id: Annotated[str | None, typer.Argument(help="Job id (see `fleet jobs`).")] = None,
+    target: Annotated[
+        str | None, typer.Argument(metavar="[JOB_ID|DIR]", show_default=False,
+                                   help="A folder of native flight-recorder dumps (when it names an existing "
+                                        "folder), else a job id (see `fleet jobs`).")
+    ] = None,
     dumps: Annotated[
         Path | None,
         typer.Option("--dumps", help="Analyse this folder of native PyTorch flight-recorder dumps "
-                     "(one file per rank, named <prefix><rank>) instead of a job."),
+                     "(one file per rank, named <prefix><rank> or <prefix><host>_<rank>) instead of a job."),
     ] = None,
     prefix: Annotated[
-        str | None, typer.Option("--prefix", help="With --dumps: the file-name prefix before the rank "
-                                 "[default: inferred]")
+        str | None, typer.Option("--prefix", "-p", help="With dumps: read the files named <prefix><rank> "
+                                 "(else <prefix><host>_<rank>) [default: inferred]")
     ] = None,
     attempt: Annotated[int | None, typer.Option("--attempt", "-a", help="Only this attempt.")] = None,
     ranks: Annotated[
         list[int] | None, typer.Option("--rank", "-r", help="Show only this rank (repeatable).")
     ] = None,
-    group: Annotated[str | None, typer.Option("--group", "-g", help="Show only this process group.")] = None,
+    groups: Annotated[
+        list[str] | None, typer.Option("--group", "-g", help="Show only this process group, by name or "
+                                       "description (repeatable).")
+    ] = None,
     around_seq: Annotated[
         int | None, typer.Option("--around-seq", help="Show only collectives within --window of this "
                                  "sequence number.")
@@ -50,33 +72,77 @@ def replay(
     last_steps: Annotated[
         int, typer.Option("--steps", help="Show the last N steps of each attempt (0 = all).")
     ] = 20,
+    exit_code: Annotated[
+        bool, typer.Option("--exit-code", help="Exit non-zero unless the verdict is ok: mismatch 10, hang 11, "
+                           "straggler 12, empty 13.")
+    ] = False,
     store: StoreOpt = None,
     cluster: ClusterOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Desync verdict (which rank, which collective, why), per-rank wavefront and step
-    timeline of a job, every attempt; or the same analysis over a folder of dumps."""
-    if (job_id is None) == (dumps is None):
-        raise ConfigError("fleet replay: give a JOB_ID or --dumps DIR (exactly one)")
+    """Desync verdict (which rank, which collective, why, and the culprit's stack),
+    per-rank wavefront and step timeline of a job, every attempt; or the same analysis
+    over a folder of dumps."""
+    folder, job_id = _target(target, dumps)
     if window < 0:
         raise ConfigError(f"--window: must be >= 0, got {window}")
-    view = _View(set(ranks) if ranks else None, group,
+    if prefix is not None and folder is None:
+        raise ConfigError("--prefix: only with a folder of dumps (fleet replay DIR -p PREFIX)")
+    view = _View(set(ranks) if ranks else None, list(groups) if groups else None,
                  (around_seq - window, around_seq + window) if around_seq is not None else None)
-    if dumps is not None:
-        _replay_dumps(dumps, prefix, view, perfetto, json_out)
+    if folder is not None:
+        verdict = _replay_dumps(folder, prefix, view, perfetto, json_out)
     else:
-        _replay_job(job_id or "", attempt, view, perfetto, last_steps, store, cluster, json_out)
+        verdict = _replay_job(job_id, attempt, view, perfetto, last_steps, store, cluster, json_out)
+    if exit_code and VERDICT_EXIT_CODES.get(verdict, 1):
+        raise typer.Exit(VERDICT_EXIT_CODES.get(verdict, 1))
+
+
+def _target(target: str | None, dumps: Path | None) -> tuple[Path | None, str]:
+    """(folder of dumps, job id): exactly one of them."""
+    if (target is None) == (dumps is None):
+        raise ConfigError("fleet replay: give a JOB_ID, a folder of dumps, or --dumps DIR (exactly one)")
+    if dumps is not None:
+        return dumps, ""
+    assert target is not None
+    path = Path(target).expanduser()
+    if path.is_dir():
+        return path, ""
+    if path.exists():
+        raise DumpError(f"{target}: a file, not a folder of flight-recorder dumps (give the folder that holds it)")
+    if "/" in target or target.startswith((".", "~")):
+        raise DumpError(f"{target}: no such folder of flight-recorder dumps")
+    return None, target
 
 
 class _View:
     """The --rank/--group/--around-seq selection, applied to what is shown (the analysis
-    always sees every rank: a culprit needs the others' evidence)."""
+    always sees every rank: a culprit needs the others' evidence). ``--group`` values
+    name a group or its description; ``resolve`` turns them into group names."""
 
-    def __init__(self, ranks: set[int] | None, group: str | None, seqs: tuple[int, int] | None) -> None:
-        self.ranks, self.group, self.seqs = ranks, group, seqs
+    def __init__(self, ranks: set[int] | None, groups: list[str] | None, seqs: tuple[int, int] | None) -> None:
+        self.ranks, self.wanted, self.seqs = ranks, groups, seqs
+        self.groups: set[str] | None = None
+
+    def resolve(self, known: list[dict[str, Any]]) -> None:
+        """Match the --group values against ``known`` ({"group", "desc"} rows); a value
+        that matches none is an error listing the groups there are."""
+        if self.wanted is None:
+            return
+        chosen: set[str] = set()
+        for value in self.wanted:
+            hits = {g["group"] for g in known if value in (g["group"], g.get("desc"))}
+            if not hits:
+                there = sorted({(g["group"], g.get("desc") or "") for g in known}, key=lambda gd: _group_key(gd[0]))
+                names = ", ".join(f"{n} ({d})" if d and d != n else n for n, d in there[:30])
+                more = f" and {len(there) - 30} more" if len(there) > 30 else ""
+                raise ConfigError(f"--group {value}: no group has that name or description; "
+                                  f"groups: {names or 'none'}{more}")
+            chosen |= hits
+        self.groups = chosen
 
     def keep(self, row: dict[str, Any], seq_key: str = "seq") -> bool:
-        if self.group is not None and row.get("group") != self.group:
+        if self.groups is not None and row.get("group") not in self.groups:
             return False
         if self.ranks is not None:
             rs = set(row.get("ranks", [])) | set(row.get("waiting_ranks", []))
@@ -95,8 +161,13 @@ class _View:
         return out
 
 
-def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path | None, json_out: bool) -> None:
+def _group_key(name: str) -> tuple[int, int | str]:
+    return (0, int(name)) if name.isdigit() else (1, name)
+
+
+def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path | None, json_out: bool) -> str:
     from fleet.controlplane.diagnosis import diagnose, load_traces
+    from fleet.controlplane.diagnosis.stacks import finding_stacks
 
     if json_out:
         traces = load_traces(folder, prefix)
@@ -105,17 +176,23 @@ def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path 
             traces = load_traces(folder, prefix,
                                  progress=lambda done, total: status.update(f"read {done}/{total} dumps"))
     diag = diagnose(traces)
+    full = diag.to_json()
+    view.resolve(full["groups"])
+    stacks = finding_stacks(diag, traces)
+    for i, f in enumerate(full["findings"]):
+        f["stacks"] = stacks.get(i, [])
     if perfetto is not None:
         _write_perfetto(perfetto, traces, diag, view)
-    out = view.apply(diag.to_json())
+    out = view.apply(full)
     if json_out:
         print_json(out)
-        return
-    _print_diagnosis(out, title=f"{folder}: {len(diag.ranks)} ranks")
+    else:
+        _print_diagnosis(out, title=f"{folder}: {len(diag.ranks)} ranks")
+    return diag.verdict
 
 
 def _replay_job(job_id: str, attempt: int | None, view: _View, perfetto: Path | None, last_steps: int,
-                store: str | None, cluster: Path | None, json_out: bool) -> None:
+                store: str | None, cluster: Path | None, json_out: bool) -> str:
     from fleet.controlplane.cli.common import open_store
     from fleet.controlplane.diagnosis import diagnose_attempt
     from fleet.controlplane.replay import replay_report
@@ -124,28 +201,38 @@ def _replay_job(job_id: str, attempt: int | None, view: _View, perfetto: Path | 
         report = replay_report(st, job_id, attempt)
         if attempt is not None and not report["attempts"]:
             raise NotFoundError(f"job {job_id} has no attempt {attempt}")
+        view.resolve([g for a in report["attempts"] for g in a["diagnosis"].get("groups", [])])
         chosen = report["attempts"][-1]["attempt"] if report["attempts"] else None
         if perfetto is not None and chosen is not None:
             traces, diag = diagnose_attempt(st, job_id, chosen)
             _write_perfetto(perfetto, traces, diag, view)
     for a in report["attempts"]:
+        for f in a["diagnosis"]["findings"]:
+            f["stacks"] = []  # the store keeps no Python stacks
         a["diagnosis"] = view.apply(a["diagnosis"])
         a["collectives"] = [c for c in a["collectives"] if view.keep(c, seq_key="")]
+    top = report["attempts"][-1]["diagnosis"] if report["attempts"] else {
+        "source": f"store:{job_id}", "attempt": None, "verdict": "empty", "culprit_ranks": [],
+        "findings": []}
     if json_out:
-        top = report["attempts"][-1]["diagnosis"] if report["attempts"] else {
-            "source": f"store:{job_id}", "attempt": None, "verdict": "empty", "culprit_ranks": [],
-            "findings": []}
         print_json({**top, "job": report["job"], "attempts": report["attempts"],
                     "incidents": report["incidents"], "checkpoints": report["checkpoints"],
                     "events_lost": report["events_lost"], "sdc": report["sdc"]})
-        return
-    _print_job(report, last_steps)
+    else:
+        _print_job(report, last_steps)
+    return str(top["verdict"])
 
 
 def _write_perfetto(path: Path, traces: Any, diag: Any, view: _View) -> None:
     from fleet.controlplane.diagnosis.perfetto import perfetto_trace
 
-    doc = perfetto_trace(traces, diag, ranks=view.ranks, group=view.group, seq_range=view.seqs)
+    group = None
+    if view.groups is not None and len(view.groups) == 1:
+        group = next(iter(view.groups))
+    elif view.groups is not None:  # several: the trace of those groups only
+        traces = replace(traces, ranks={r: replace(t, groups={g: o for g, o in t.groups.items() if g in view.groups})
+                                        for r, t in traces.ranks.items()})
+    doc = perfetto_trace(traces, diag, ranks=view.ranks, group=group, seq_range=view.seqs)
     try:
         path.write_text(json.dumps(doc, separators=(",", ":")))
     except OSError as exc:
@@ -162,9 +249,10 @@ def _print_diagnosis(d: dict[str, Any], title: str) -> None:
     if d.get("missing_ranks"):
         console.print(f"[yellow]no trace from ranks {d['missing_ranks']}[/]")
     if d["findings"]:
-        print_table("findings", ["kind", "group", "seq", "ranks", "waiting", "detail"],
-                    [[f["kind"], f["group"], f["seq"], _short(f["ranks"]), _short(f.get("waiting_ranks", [])),
-                      f["detail"]] for f in d["findings"]])
+        print_table("findings", ["#", "kind", "group", "seq", "ranks", "waiting", "detail"],
+                    [[n, f["kind"], f["group"], f["seq"], _short(f["ranks"]), _short(f.get("waiting_ranks", [])),
+                      f["detail"]] for n, f in enumerate(d["findings"], 1)])
+        _print_stacks(d["findings"])
     waves = d["wavefront"]
     if waves:
         culprits = set(d["culprit_ranks"])
@@ -175,6 +263,41 @@ def _print_diagnosis(d: dict[str, Any], title: str) -> None:
                       "waiting" if w["waiting"] else "-"] for w in waves[:200]])
         if len(waves) > 200:
             console.print(f"... {len(waves) - 200} more rows (use --rank/--group or --json)")
+
+
+def _print_stacks(findings: list[dict[str, Any]]) -> None:
+    """Under the findings table: per finding, where each blamed rank's Python code stands
+    (innermost frame first); ranks with the same stack share one block."""
+    for n, f in enumerate(findings, 1):
+        blocks: dict[tuple, list[dict[str, Any]]] = {}
+        for st in f.get("stacks", []):
+            key = (st["group"], st["seq"], st["op"], st["state"],
+                   tuple((fr["name"], fr["filename"], fr["line"]) for fr in st["frames"]))
+            blocks.setdefault(key, []).append(st)
+        for sts in blocks.values():
+            st = sts[0]
+            who = ", ".join(str(s["rank"]) for s in sts)
+            stands = f"stands at {st['op']} #{st['seq']} of group {st['group']}"
+            if (st["group"], st["seq"]) == (f["group"].removesuffix(P2P_SUFFIX), f["seq"]):
+                at = f"in {st['op']} #{st['seq']}"
+            else:
+                at = f"never entered #{f['seq']}; {stands}" if f["group"] and f["seq"] > 0 else stands
+            console.print(f"[bold]#{n} {f['kind']}[/] rank{'s' if len(sts) > 1 else ''} {who} {at} "
+                          f"({st['state']}):", highlight=False, soft_wrap=True)
+            frames = st["frames"]
+            skipped = 0
+            while skipped < len(frames) - 1 and "/torch/distributed/" in frames[skipped]["filename"]:
+                skipped += 1  # the c10d call plumbing: the user's code is what tells where
+            for fr in frames[skipped:skipped + STACK_LINES]:
+                console.print(f"    {fr['name']} ({fr['filename']}:{fr['line']})", highlight=False,
+                              soft_wrap=True, markup=False)
+            rest = len(frames) - skipped - STACK_LINES
+            notes = ([f"{skipped} torch.distributed frame{'s' if skipped > 1 else ''} above"] if skipped else []) + \
+                ([f"{rest} more below"] if rest > 0 else [])
+            if not frames:
+                console.print("    [dim](no frames in the dump: it was written without stack traces)[/]")
+            elif notes:
+                console.print(f"    [dim]({'; '.join(notes)}; --json has every frame)[/]", highlight=False)
 
 
 def sdc_line(v: dict[str, Any]) -> str:
