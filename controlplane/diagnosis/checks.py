@@ -91,6 +91,8 @@ class Analysis:
         self.last_group = {r: last_group(t) for r, t in traces.ranks.items()}
         self._compat_cache: dict[tuple[int, int], str | None] = {}
         self._numel_cache: dict[tuple[int, bool], int] = {}
+        self._canon: list[int] = []
+        self._delta: list[int] = []
 
     def add(self, finding: Finding) -> None:
         """Keep a finding; its waiting ranks wait on the ranks it blames."""
@@ -233,7 +235,8 @@ class Analysis:
         checked: set[int] = set()
         budget = [self.config.max_findings_per_group]
         if lo <= hi:
-            histories = {r: self._slice(o, lo, hi) for r, o in ops_by_rank.items()}
+            canon = self._canonical()
+            histories = {r: tuple(map(canon.__getitem__, self._slice(o, lo, hi))) for r, o in ops_by_rank.items()}
             ref_key, _ = Counter(histories.values()).most_common(1)[0]
             for r, hist in histories.items():
                 if hist == ref_key or budget[0] <= 0:
@@ -245,6 +248,8 @@ class Analysis:
                             break
                     if budget[0] <= 0:
                         break
+            if len(ops_by_rank) == len(g.members) and any(self.sigs[x].op == "all_to_all" for x in set(ref_key) if x >= 0):
+                self._check_all_to_all_totals(g, ops_by_rank, lo, hi, checked, budget)
         # beyond the common range only some members entered: compare those
         for seq in range(max(hi + 1, lo), min(top, hi + 64) + 1):
             if seq not in checked and budget[0] > 0:
@@ -307,6 +312,44 @@ class Analysis:
                 [] if tie else sorted(r for r in others if r in open_at)))
             budget[0] -= 1
         return True
+
+    def _canonical(self) -> list[int]:
+        """Signature id -> the id histories compare: an all_to_all's splits may differ per
+        rank (only the group's totals must agree, ``_check_all_to_all_totals``), so its
+        sizes are left out; every other signature is itself. The last slot maps a gap
+        (-1) to itself."""
+        table = self.traces.table
+        if len(self._canon) != len(table.sigs) + 1:
+            canon = []
+            for i in range(len(table.sigs)):  # interning below appends: those map to themselves
+                sig = table.sigs[i]
+                canon.append(table.intern_key(("all_to_all", (), (), sig.input_dtypes, sig.output_dtypes))
+                             if sig.op == "all_to_all" else i)
+            canon.extend(range(len(canon), len(table.sigs)))
+            canon.append(-1)
+            self._canon = canon
+        return self._canon
+
+    def _check_all_to_all_totals(self, g: GroupInfo, ops_by_rank: dict[int, GroupOps], lo: int, hi: int,
+                                 checked: set[int], budget: list[int]) -> None:
+        """Per collective, what the members send in total must equal what they receive:
+        summed over the group in one pass per rank."""
+        delta = self._deltas()
+        rows = [list(map(delta.__getitem__, self._slice(o, lo, hi))) for o in ops_by_rank.values()]
+        for i, total in enumerate(map(sum, zip(*rows))):
+            if total and (lo + i) not in checked and budget[0] > 0:
+                checked.add(lo + i)
+                at = {r: o.sigs[j] for r, o in ops_by_rank.items() if (j := o.index(lo + i)) is not None}
+                self._check_all_to_all(g, at, lo + i, budget)
+
+    def _deltas(self) -> list[int]:
+        """Signature id -> elements sent minus received (all_to_all only; 0 otherwise)."""
+        n = len(self.sigs)
+        if len(self._delta) != n + 1:
+            prod = math.prod
+            self._delta = [sum(map(prod, s.input_sizes)) - sum(map(prod, s.output_sizes))
+                           if s.op == "all_to_all" else 0 for s in self.sigs] + [0]
+        return self._delta
 
     def _numel(self, sig: int, inputs: bool) -> int:
         key = (sig, inputs)
