@@ -243,7 +243,8 @@ def test_a_job_from_the_store_has_empty_stacks(tmp_path, capsys):
             for seq in seqs:
                 ev = pb.Event()
                 c = ev.collective
-                c.job_id, c.attempt, c.rank, c.group, c.group_size, c.seq, c.op = job, 1, rank, "0", 2, seq, "all_reduce"
+                c.job_id, c.attempt, c.rank, c.group, c.group_size = job, 1, rank, "0", 2
+                c.seq, c.op = seq, "all_reduce"
                 c.state, c.enter_ns = "started" if seq == 3 else "completed", int((t0 - 60 + seq) * 1e9)
                 if seq < 3:
                     c.exit_ns = c.enter_ns + 1000
