@@ -39,7 +39,7 @@ STACK_LINES = 8
 
 def replay(
     target: Annotated[
-        str | None, typer.Argument(metavar="[JOB_ID|DIR]", show_default=False,
+        str | None, typer.Argument(metavar="JOB_ID|DIR", show_default=False,
                                    help="A folder of native flight-recorder dumps (when it names an existing "
                                         "folder), else a job id (see `fleet jobs`).")
     ] = None,
@@ -50,7 +50,7 @@ def replay(
     ] = None,
     prefix: Annotated[
         str | None, typer.Option("--prefix", "-p", help="With dumps: read the files named <prefix><rank> "
-                                 "(else <prefix><host>_<rank>) [default: inferred]")
+                                 "(else <prefix><host>_<rank>) \\[default: inferred]")
     ] = None,
     attempt: Annotated[int | None, typer.Option("--attempt", "-a", help="Only this attempt.")] = None,
     ranks: Annotated[
