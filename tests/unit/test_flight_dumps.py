@@ -93,6 +93,10 @@ def _phases(rank: int, world_size: int, port: int, folder: str) -> dict:
     else:
         _wait_file(folder / "done1")  # rank 0 serves the store: it leaves last
     dist.destroy_process_group()
+    if rank == 1:  # a handle never closed: its dump is written at interpreter exit
+        from fleet.workers.flight import record_collectives
+
+        record_collectives(dump_dir=folder / "exit")
     return results
 
 
@@ -227,6 +231,12 @@ def test_a_healthy_run_writes_no_automatic_dump(run):
         assert healthy["env"] == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(folder / "healthy" / "fr_dump_")}
         assert (folder / "healthy" / f"fr_dump_{rank}").is_file()
+
+
+def test_a_handle_never_closed_dumps_at_exit(run):
+    folder, _ = run
+    doc = pickle.loads((folder / "exit" / "fr_dump_1").read_bytes())
+    assert doc["entries"] and doc["entries"][-1]["profiling_name"] == "gloo:all_reduce"
 
 
 def test_a_stalled_rank_dumps_while_blocked(run):
