@@ -34,6 +34,13 @@ Cases (the fault is in the last step of the dump; ``culprit`` defaults per case,
   subgroup_hang  the culprit never enters the all_reduce of its data-parallel group; the
                  rest of that group waits in it, every other rank finished it and waits
                  in the next world all_gather (which the stuck group never reaches)
+
+A second job, Megatron-style TP x PP x DP with EP and pipeline send/recv, and its hard
+cases (pp_hang, p2p_wrong_peer, dead_rank, dead_rank_gloo, blocked_majority,
+stuck_kernel, stuck_kernel_active, stuck_kernel_empty, two_culprits, and
+megatron_healthy) live in bench/fr_megatron.py; ``plant``, ``rank_dump`` and
+``generate`` take them like the others. A dead rank's file is not written
+(``Plant.missing_ranks``).
 """
 
 from __future__ import annotations
@@ -49,10 +56,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+try:
+    from bench import fr_megatron
+except ImportError:  # run as a script from bench/
+    import fr_megatron  # type: ignore[no-redef]
+
 PREFIX = "fr_dump_"
 VERSION = "2.10"
-CASES = ("healthy", "hang", "op_mismatch", "size_mismatch", "dtype_mismatch", "subgroup_hang")
-FAULT_CASES = CASES[1:]
+MOE_CASES = ("healthy", "hang", "op_mismatch", "size_mismatch", "dtype_mismatch", "subgroup_hang")
+CASES = MOE_CASES + fr_megatron.CASES
+FAULT_CASES = tuple(c for c in CASES if c not in ("healthy", "megatron_healthy"))
 
 LAYERS = 4
 HIDDEN = 4096
@@ -230,6 +243,9 @@ class Plant:
     ep: int
     record_id: int
     detail: str = ""
+    layout: str = "moe"       # the job: "moe" (FSDP+EP+DP) or "megatron tpX ppY dpZ epW"
+    backend: str = "nccl"     # the format of the dumps: nccl, or gloo (dead_rank_gloo)
+    missing_ranks: list[int] = field(default_factory=list)  # ranks that left no file
     files: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -256,6 +272,9 @@ def plant(case: str, ranks: int, entries: int, culprit: int | None = None,
     """The ground truth of ``case`` for a ``ranks``-rank job (no files written)."""
     if case not in CASES:
         raise ValueError(f"unknown case {case!r}; one of {', '.join(CASES)}")
+    if case in fr_megatron.CASES:
+        return Plant(case=case, ranks=ranks, entries=entries, prefix=prefix,
+                     **fr_megatron.plant_fields(case, ranks, entries, culprit))
     topo = topology(ranks)
     if culprit is None:
         culprit = default_culprit(case, ranks)
@@ -321,7 +340,10 @@ def _fault_window(case: str, rank: int, topo: Topology, culprit: int | None, fau
 
 def rank_dump(rank: int, ranks: int, entries: int, case: str, culprit: int | None = None,
               seed: int = 0, frames: int = FRAMES) -> dict[str, Any]:
-    """The dump dict of one rank, as ``pickle.load`` returns it from a torch dump."""
+    """The dump dict of one rank, as ``pickle.load`` returns it from a torch dump
+    (``ValueError`` for a rank that died and leaves none)."""
+    if case in fr_megatron.CASES:
+        return fr_megatron.rank_dump(rank, ranks, entries, case, culprit, seed, frames)
     p = plant(case, ranks, entries, culprit)
     culprit = p.culprit_ranks[0] if p.culprit_ranks else None
     topo = topology(ranks)
@@ -437,12 +459,18 @@ def _write_star(args: tuple) -> int:
 def generate(out_dir: str | Path, ranks: int, entries: int, case: str, culprit: int | None = None,
              prefix: str = PREFIX, seed: int = 0, frames: int = FRAMES, workers: int = 1,
              progress: Callable[[int, int], None] | None = None) -> Plant:
-    """Write ``ranks`` dump files into ``out_dir`` (created); returns the plant."""
+    """Write the dump files of ``ranks`` ranks into ``out_dir`` (created), all but those of
+    ``plant.missing_ranks``; returns the plant."""
     p = plant(case, ranks, entries, culprit, prefix)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    c = p.culprit_ranks[0] if p.culprit_ranks else None
-    jobs = [(str(out), prefix, r, ranks, entries, case, c, seed, frames) for r in range(ranks)]
+    if case in fr_megatron.CASES:
+        c = culprit
+        fr_megatron.prepare(case, ranks, culprit)  # once, before the writers fork
+    else:
+        c = p.culprit_ranks[0] if p.culprit_ranks else None
+    present = [r for r in range(ranks) if r not in p.missing_ranks]
+    jobs = [(str(out), prefix, r, ranks, entries, case, c, seed, frames) for r in present]
     done = 0
     if workers > 1:
         import multiprocessing as mp
@@ -451,14 +479,14 @@ def generate(out_dir: str | Path, ranks: int, entries: int, case: str, culprit: 
             for _ in pool.imap_unordered(_write_star, jobs, chunksize=4):
                 done += 1
                 if progress:
-                    progress(done, ranks)
+                    progress(done, len(jobs))
     else:
         for j in jobs:
             _write_star(j)
             done += 1
             if progress:
-                progress(done, ranks)
-    p.files = [f"{prefix}{r}" for r in range(ranks)]
+                progress(done, len(jobs))
+    p.files = [f"{prefix}{r}" for r in present]
     return p
 
 

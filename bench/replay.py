@@ -4,11 +4,15 @@
                            [--repeats 3] [--large-repeats 1] [--dir DIR]
 
 For every size (ranks) and case, bench/fr_dumps.py writes one native-format dump per
-rank (torch 2.13's pickle format, NCCL-style, ``--entries`` entries per rank, a
-mixture-of-experts job with world, expert-parallel and data-parallel groups) with a
-planted fault and culprit (cases: healthy, hang, op/size/dtype mismatch, sub-group
-hang; rank 0 is the culprit of hang and dtype_mismatch). Then, on the same folder, in
-the same run, each as a subprocess:
+rank (torch 2.13's pickle format, NCCL-style, ``--entries`` entries per rank) with a
+planted fault and culprit. Two jobs: a mixture-of-experts job with world,
+expert-parallel and data-parallel groups (cases healthy, hang, op/size/dtype mismatch,
+sub-group hang; rank 0 is the culprit of hang and dtype_mismatch), and a Megatron-style
+TP x PP x DP job with EP and pipeline send/recv (bench/fr_megatron.py: healthy,
+pipeline hang, recv from a wrong peer, a dead rank without a file (NCCL and gloo
+formats), a blocked majority, a stuck kernel (full, onlyActive and empty dumps), two
+independent culprits). A dead rank's file is absent: every tool reads what is there.
+Then, on the same folder, in the same run, each as a subprocess:
   * floor: a fresh interpreter that only ``pickle.load``s every file in a loop (each
     dump dropped before the next): what any reader of these files must pay;
   * fleet: ``fleet replay --dumps DIR --prefix P --json``; its ``culprit_ranks``;
@@ -205,7 +209,7 @@ def ensure_dumps(root: Path, ranks: int, entries: int, case: str, frames: int,
     want = {"generator": "bench.fr_dumps", "frames": frames, "seed": 0,
             **fr_dumps.plant(case, ranks, entries).as_dict()}
     if manifest.exists() and json.loads(manifest.read_text()) == want and all(
-            (folder / f"{fr_dumps.PREFIX}{r}").exists() for r in range(ranks)):
+            (folder / f"{fr_dumps.PREFIX}{r}").exists() for r in range(ranks) if r not in want["missing_ranks"]):
         return folder, want
     shutil.rmtree(folder, ignore_errors=True)
     t0 = time.perf_counter()
@@ -387,6 +391,11 @@ def main() -> int:
     for c in cases:
         if c not in fr_dumps.CASES:
             ap.error(f"--cases: unknown case {c!r}; one of {', '.join(fr_dumps.CASES)}")
+        for n in sizes:
+            try:
+                fr_dumps.plant(c, n, opts.entries)
+            except ValueError as exc:
+                ap.error(f"--sizes {n} with case {c}: {exc}")
     keep = opts.dir is not None
     root = Path(opts.dir) if keep else Path(tempfile.mkdtemp(prefix="fleet-bench-replay-"))
     root.mkdir(parents=True, exist_ok=True)
