@@ -43,8 +43,10 @@ Identity comes from torchrun's environment: ``RANK``, ``WORLD_SIZE``, the restar
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
+import pickle
 import socket
 import threading
 import time
@@ -136,7 +138,7 @@ class FlightHandle:
         path = Path(path) if path is not None else self.dump_dir / f"{DUMP_PREFIX}{self.rank}"
         with self._dump_lock:  # the watcher thread dumps too
             path.parent.mkdir(parents=True, exist_ok=True)
-            data = native_fr.dump_bytes(include_stack_traces=True)
+            data = _with_marker(native_fr.dump_bytes(include_stack_traces=True), reason)
             tmp = path.with_name(f".{path.name}.tmp")  # dot files are ignored by dump readers
             tmp.write_bytes(data)
             os.replace(tmp, path)
@@ -293,3 +295,19 @@ def record_collectives(
         ring_entries=ring, agent_address=agent_address, world_size=world_size,
         dump_dir=folder, dump_policy=policy,
         poll_interval_s=poll_interval_s, report_interval_s=report_interval_s)
+
+
+def _with_marker(data: bytes, reason: str) -> bytes:
+    """The dump with one more top-level key, ``fleet_dump``: when (``time_ns``) and why
+    (``reason``) it was written. torch's readers ignore keys they do not know; ``fleet
+    replay`` reads it to tell an op that ended by a timeout, which gloo marks retired just
+    like a completed one, from a completed one."""
+    was = gc.isenabled()
+    gc.disable()  # unpickling allocates many short-lived containers (see native_fr)
+    try:
+        doc = pickle.loads(data)
+        doc["fleet_dump"] = {"time_ns": time.time_ns(), "reason": reason}
+        return pickle.dumps(doc, protocol=2)
+    finally:
+        if was:
+            gc.enable()
