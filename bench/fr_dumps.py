@@ -238,7 +238,8 @@ class Plant:
     verdict: str              # ok / hang / mismatch
     group: str                # name of the group the fault is in
     group_desc: str
-    seq: int                  # collective_seq_id of the fault in that group
+    seq: int                  # collective_seq_id of the fault in that group (a send/recv: the
+                              # culprit's p2p_seq_id of it)
     op: str
     ep: int
     record_id: int
