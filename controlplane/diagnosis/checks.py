@@ -75,6 +75,10 @@ class ExtraCandidate:
     op: str
 
 
+#: The rank an unrecorded op waits on: somebody the dump cannot name.
+UNKNOWN = -1
+
+
 class Analysis:
     """Findings and wait-for edges over one ``TraceSet``."""
 
@@ -100,6 +104,31 @@ class Analysis:
         for w in finding.waiting:
             self.waits[w].update(r for r in finding.ranks if r != w)
 
+    def check_unrecorded(self) -> None:
+        """Ranks blocked in an op the dump does not record: gloo keeps no point-to-point
+        entries, but its ``pg_status`` counts them, so a group whose counters show an op
+        enqueued and not completed while every recorded entry there is retired means the
+        rank waits in a send or recv. Whom on, the dump cannot say; the rank is not a
+        root cause (it waits on ``UNKNOWN``)."""
+        by_group: dict[str, list[int]] = defaultdict(list)
+        for r, t in self.traces.ranks.items():
+            for name, st in t.status.items():
+                if not st.counts_p2p or st.enqueued <= st.completed:
+                    continue
+                ops = t.groups.get(name)
+                if ops is not None and ops.seqs and not all(ops.done):
+                    continue
+                by_group[name].append(r)
+        for name, ranks in sorted(by_group.items()):
+            for r in ranks:
+                self.waits[r].add(UNKNOWN)
+            self.findings.append(Finding(
+                "p2p_unrecorded", name, 0, [],
+                f"{_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'} in an op the dump does not record "
+                f"on group {name} (its counters show one enqueued and not completed while every recorded "
+                f"entry is retired: gloo records no send/recv), on a peer the dump cannot name",
+                sorted(ranks)))
+
     # -- positions ---------------------------------------------------------------------
 
     def fronts(self, g: GroupInfo) -> dict[int, Front]:
@@ -114,7 +143,7 @@ class Analysis:
             if f is not None:
                 out[r] = f
             elif g.name in t.group_ranks or (t.first_record == 0 and t.entries and g.name not in t.p2p):
-                out[r] = Front(0, None, False, False)
+                out[r] = Front(0, None, False, False, False)
         return out
 
     def ops(self, g: GroupInfo) -> dict[int, GroupOps]:
@@ -193,11 +222,17 @@ class Analysis:
         if len(waiters) != len(fronts) or self._in_flight(ops, top):
             return
         op = self._describe_at(ops, waiters[0], top)
-        timed = all(fronts[w].open is None for w in waiters)
+        if all(fronts[w].open is not None for w in waiters):
+            how = "waits in"
+        elif all(fronts[w].open is not None or fronts[w].timed_out for w in waiters):
+            how = "waits or timed out in"
+        else:
+            how = ("stopped at (its last entry, retired: gloo marks an op that failed because a peer "
+                   "died like a completed one)")
         self.add(Finding(
             "no_trace", g.name, top, absent,
-            f"{_ranks(absent)} left no trace; every other member of group {g.label()} "
-            f"{'timed out' if timed else 'waits'} in collective {top} ({op})", waiters))
+            f"{_ranks(absent)} left no trace; every other member of group {g.label()} {how} "
+            f"collective {top} ({op})", waiters))
 
     def _extra_candidate(self, g: GroupInfo, fronts: dict[int, Front], behind: dict[int, list[int]],
                          ops: dict[int, GroupOps]) -> bool:

@@ -109,6 +109,7 @@ def diagnose(traces: TraceSet, config: DiagnosisConfig = DiagnosisConfig(),
         a.check_signatures(g)
         a.check_stragglers(g)
     check_p2p(a)
+    a.check_unrecorded()
     culprits, verdict = decide(a)
     if not present or not any(t.entries or t.status for t in traces.ranks.values()):
         verdict = "empty"

@@ -84,30 +84,32 @@ def _world_name(names: list[str], desc: dict[str, str], declared: dict[str, set[
 def _complete_families(names: list[str], desc: dict[str, str], members: dict[str, set[int]],
                        present: set[int], size: int, traces: TraceSet) -> int:
     """Fill short inferred groups with traceless ranks (see the module docstring);
-    returns the world size, grown by any rank added past it."""
+    returns the world size, grown by any rank added past it. A group's siblings are the
+    groups with its description; a group without any is compared with every inferred
+    group (custom descriptions such as "pair01" name one group each)."""
     families: dict[str, list[str]] = defaultdict(list)
     for n in names:
         families[desc.get(n, "")].append(n)
-    for family in families.values():
-        if len(family) < 2:
+    for n in names:
+        m = members[n]
+        if not m:
             continue
-        shapes = Counter(_shape(members[n]) for n in family if members[n])
-        for n in family:
-            m = members[n]
-            if not m:
+        want = _gather_factor(traces, n)
+        if want and want <= len(m):
+            continue
+        family = families[desc.get(n, "")] if len(families[desc.get(n, "")]) > 1 else names
+        siblings = [o for o in family if o != n and len(members[o]) > len(m)]
+        shapes = Counter(_shape(members[o]) for o in siblings if members[o])
+        for shape, _count in sorted(shapes.items(), key=lambda kv: (len(kv[0]), -kv[1])):
+            if want and len(shape) != want:
                 continue
-            want = _gather_factor(traces, n)
-            if want and want <= len(m):
-                continue
-            taken = set().union(*(members[o] for o in family if o != n))
-            for shape, _count in sorted(shapes.items(), key=lambda kv: (len(kv[0]), -kv[1])):
-                if len(shape) <= len(m) or (want and len(shape) != want):
-                    continue
-                fill = _fit(m, shape, present | taken)
-                if fill:
-                    m.update(fill)
-                    size = max(size, max(fill) + 1)
-                    break
+            # the groups of that shape partition their ranks: a rank in one is in no other
+            taken = set().union(*(members[o] for o in siblings if _shape(members[o]) == shape))
+            fill = _fit(m, shape, present | taken, size)
+            if fill:
+                m.update(fill)
+                size = max(size, max(fill) + 1)
+                break
     return size
 
 
@@ -116,20 +118,24 @@ def _shape(ranks: set[int]) -> tuple[int, ...]:
     return tuple(r - lo for r in sorted(ranks))
 
 
-def _fit(ranks: set[int], shape: tuple[int, ...], unavailable: set[int]) -> set[int]:
+def _fit(ranks: set[int], shape: tuple[int, ...], unavailable: set[int], size: int) -> set[int]:
     """The ranks that complete ``ranks`` into a translate of ``shape``, all of them free
-    (no trace, in no sibling group); empty when none does."""
+    (no trace, in no sibling group); empty when none does. Of several, the one adding
+    fewest ranks past the world (``size``), then the lowest."""
     lo = min(ranks)
+    best: tuple[int, int] | None = None
+    fill: set[int] = set()
     for offset in shape:
         base = lo - offset
         if base < 0:
             continue
         full = {base + o for o in shape}
-        if ranks <= full:
-            extra = full - ranks
-            if extra and not extra & unavailable:
-                return extra
-    return set()
+        extra = full - ranks
+        if ranks <= full and extra and not extra & unavailable:
+            score = (sum(r >= size for r in extra), base)
+            if best is None or score < best:
+                best, fill = score, extra
+    return fill
 
 
 def _gather_factor(traces: TraceSet, group: str) -> int:

@@ -28,20 +28,17 @@ from fleet.controlplane.diagnosis.traces import P2POp
 
 def check_p2p(a: Analysis) -> None:
     posted: dict[tuple[str, int, int, str], list[P2POp]] = defaultdict(list)  # (group, src, dst, kind)
-    peers: dict[tuple[str, int], set[tuple[str, int]]] = defaultdict(set)     # (group, rank) -> (kind, peer)
-    oldest: dict[tuple[str, int], int] = {}
+    peers: dict[int, set[tuple[str, int]]] = defaultdict(set)                 # rank -> (kind, peer), any group
     for rank, t in a.traces.ranks.items():
         for group, ops in t.p2p.items():
             for op in ops:
                 src, dst = (rank, op.peer) if op.kind == "send" else (op.peer, rank)
                 posted[(group, src, dst, op.kind)].append(op)
-                peers[(group, rank)].add((op.kind, op.peer))
-            if ops:
-                oldest[(group, rank)] = min(op.enter_ns for op in ops)
+                peers[rank].add((op.kind, op.peer))
     for group, src, dst in sorted({(g, s, d) for g, s, d, _ in posted}):
         sends = posted.get((group, src, dst, "send"), [])
         recvs = posted.get((group, src, dst, "recv"), [])
-        if _wrong_peer(a, group, src, dst, sends, recvs, peers, oldest):
+        if _wrong_peer(a, group, src, dst, sends, recvs, peers):
             continue
         _check_sizes(a, group, src, dst, sends, recvs, wrapped=_wrapped(a, src) or _wrapped(a, dst))
         open_sends = [op for op in sends if not op.done]
@@ -73,28 +70,41 @@ def _wrapped(a: Analysis, rank: int) -> bool:
 
 
 def _wrong_peer(a: Analysis, group: str, src: int, dst: int, sends: list[P2POp], recvs: list[P2POp],
-                peers: dict, oldest: dict) -> bool:
-    """A recv (send) whose partner never sends to (receives from) this rank anywhere in
-    its trace, though the partner's trace covers that time: the poster asked the wrong
-    peer. Adds a ``p2p_mismatch`` finding naming it."""
+                peers: dict[int, set[tuple[str, int]]]) -> bool:
+    """An open recv (send) whose partner never sends to (receives from) this rank on any
+    group, though the partner's trace reaches back past it and keeps completed entries
+    (an ``onlyActive`` dump does not): the poster asked the wrong peer. Adds a
+    ``p2p_mismatch`` finding naming it."""
     for posted, kind, poster, partner, want in ((recvs, "recv", dst, src, "send"), (sends, "send", src, dst, "recv")):
         ops = [op for op in posted if not op.done]  # a completed one met its partner
-        if not ops or (want, poster) in peers.get((group, partner), set()):
+        if not ops or (want, poster) in peers.get(partner, set()):
             continue
-        if (group, partner) not in oldest or a.traces.ranks.get(partner) is None:
-            continue  # the partner records no p2p on this group, or left no trace
-        first = ops[0]
-        if oldest[(group, partner)] > first.enter_ns:
-            continue  # its ring does not reach back that far
-        other = sorted({p for k, p in peers.get((group, poster), set()) if k == kind and p != partner})
+        trace = a.traces.ranks.get(partner)
+        if trace is None or not _reaches_back(trace, ops[0].enter_ns):
+            continue
+        other = sorted({p for k, p in peers.get(poster, set()) if k == kind and p != partner})
         hint = f"; it {'receives from' if kind == 'recv' else 'sends to'} {_list(other)} elsewhere" if other else ""
         a.add(Finding(
-            "p2p_mismatch", group, first.seq, [poster],
+            "p2p_mismatch", group, ops[0].seq, [poster],
             f"rank {poster} posted a {kind} {'from' if kind == 'recv' else 'to'} rank {partner} "
-            f"(p2p #{first.seq} on group {group}), but rank {partner} never "
+            f"(p2p #{ops[0].seq} on group {group}), but rank {partner} never "
             f"{'sends to' if kind == 'recv' else 'receives from'} rank {poster} anywhere in its trace{hint}"))
         return True
     return False
+
+
+def _reaches_back(trace, when_ns: int) -> bool:  # noqa: ANN001 (RankTrace)
+    """The trace holds completed entries, the oldest entered no later than ``when_ns``."""
+    oldest, done = None, False
+    for ops in trace.groups.values():
+        if ops.seqs:
+            oldest = ops.enter_ns[0] if oldest is None else min(oldest, ops.enter_ns[0])
+            done = done or any(ops.done)
+    for ops in trace.p2p.values():
+        if ops:
+            oldest = ops[0].enter_ns if oldest is None else min(oldest, ops[0].enter_ns)
+            done = done or any(op.done for op in ops)
+    return done and oldest is not None and oldest <= when_ns
 
 
 def _check_sizes(a: Analysis, group: str, src: int, dst: int, sends: list[P2POp], recvs: list[P2POp],

@@ -1,10 +1,13 @@
 """Where each rank stands in each group, and whom it waits on there.
 
 A rank *waits* in a group at sequence number ``s`` when its collective ``s`` there is
-entered and not completed (the oldest of the trailing run of open entries), or when it
-ended there on a timeout: gloo retires a timed-out op as if it had completed, so a
-retired last op counts as a wait when the dump was written at least the group's
-timeout after the op was entered (``RankTrace.dumped_ns``) and nothing followed it.
+entered and not completed (the oldest of the trailing run of open entries), or when its
+trace *ends* there: gloo retires an op that failed or timed out (a peer died) just as
+one that completed, so a retired last op may be where the rank was stopped. An ended
+rank counts as waiting only where nothing else explains the stop, i.e. for members that
+left no trace (``checks``). It *timed out* there when the dump was written at least the
+group's timeout after the op was entered (``RankTrace.dumped_ns``): then the evidence says
+so.
 
 A waiter at ``s`` waits on the members that never entered ``s`` (*behind*), else on
 members *stuck* in an earlier or the same collective that another member completed
@@ -34,15 +37,16 @@ class Front:
 
     entered: int            # newest sequence number entered (0: none)
     open: int | None        # oldest open one of the trailing run (None: all completed)
+    ended: bool             # all completed, and the rank's newest entry overall is here
     timed_out: bool         # ended on a retired op the dump says took its whole timeout
     from_status: bool       # counters, not entries, placed it
 
     @property
     def wait_seq(self) -> int | None:
-        """Where the rank waits in this group (None: it does not)."""
+        """Where the rank waits or was stopped in this group (None: neither)."""
         if self.open is not None:
             return self.open
-        return self.entered if self.timed_out else None
+        return self.entered if self.ended else None
 
     @property
     def completed(self) -> int:
@@ -72,9 +76,8 @@ def front(trace: RankTrace, group: str, last_group: str | None) -> Front | None:
                 open_seq = max(status.completed + 1, 1)
         if open_seq is not None and status.completed >= open_seq:
             open_seq = status.completed + 1 if status.completed < entered else None
-    timed_out = (open_seq is None and ops is not None and bool(ops.seqs) and last_group == group
-                 and _took_timeout(trace, group, ops))
-    return Front(entered, open_seq, timed_out, from_status)
+    ended = open_seq is None and ops is not None and bool(ops.seqs) and last_group == group
+    return Front(entered, open_seq, ended, ended and _took_timeout(trace, group, ops), from_status)
 
 
 def _trailing_open(ops: GroupOps) -> int | None:

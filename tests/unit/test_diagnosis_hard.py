@@ -101,10 +101,28 @@ def test_dead_rank_in_an_inferred_subgroup_is_the_culprit_even_after_gloo_timeou
     assert pair.members == (2, 3)
 
 
-def test_a_healthy_run_with_a_file_missing_is_not_a_hang():
-    spec = {r: steady("0", 5) + steady("1" if r < 2 else "2", 3) for r in (0, 1, 2)}
-    d = diagnose(build(spec))  # dump time unknown: completed ops are completed
+def test_a_rank_without_a_file_is_named_only_for_groups_it_is_in():
+    # 0, 1, 2 all stopped in group "T" = {0, 1, 2}; rank 3 (no file) is not in it
+    spec = {r: steady("0", 5) + [("T", s, "all_reduce", True, 9000 + s) for s in (1, 2)] for r in (0, 1, 2)}
+    d = diagnose(build(spec, {"0": [0, 1, 2, 3], "T": [0, 1, 2]}))
     assert d.missing_ranks == [3] and d.verdict == "ok", explain(d)
+    spec = {r: [("T", s, "all_reduce", True, s) for s in (1, 2)] + steady("0", 5, t0=100) for r in (0, 1, 2)}
+    d = diagnose(build(spec, {"0": [0, 1, 2, 3], "T": [0, 1, 2]}))
+    assert (d.verdict, d.culprit_ranks) == ("hang", [3]), explain(d)  # they stopped in the world group
+
+
+def test_gloo_ranks_blocked_in_unrecorded_point_to_point_ops_are_not_root_causes():
+    # rank 3 died inside its pair {2, 3}; rank 2 stopped there. Ranks 0 and 1 show every entry
+    # retired, but their counters on group "1" count an op enqueued and never completed (a recv
+    # gloo does not record): they wait, they are not culprits
+    spec = {0: steady("0", 4) + steady("1", 3), 1: steady("0", 4) + steady("1", 3),
+            2: steady("0", 4) + steady("2", 3, t0=10_000)}
+    t = build(spec)
+    for r in (0, 1):
+        t.ranks[r].status["1"] = GroupStatus(5, 5, 4, counts_p2p=True)
+    d = diagnose(t)
+    assert (d.verdict, d.culprit_ranks, d.missing_ranks) == ("hang", [3], [3]), explain(d)
+    assert any(f.kind == "p2p_unrecorded" and f.waiting == [0, 1] for f in d.findings)
 
 
 # -- a blocked majority -------------------------------------------------------------------
