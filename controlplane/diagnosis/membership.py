@@ -103,8 +103,11 @@ def _complete_families(names: list[str], desc: dict[str, str], members: dict[str
         for shape, _count in sorted(shapes.items(), key=lambda kv: (len(kv[0]), -kv[1])):
             if want and len(shape) != want:
                 continue
-            # the groups of that shape partition their ranks: a rank in one is in no other
+            # the groups of that shape partition their ranks: the completed group shares no
+            # rank with them (so a {1,2,3} does not make {2,3} into {2,3,4})
             taken = set().union(*(members[o] for o in siblings if _shape(members[o]) == shape))
+            if m & taken:
+                continue
             fill = _fit(m, shape, present | taken, size)
             if fill:
                 m.update(fill)

@@ -136,7 +136,10 @@ def test_replay_cli_gives_the_same_verdict(case, scenario):
     assert out["missing_ranks"] == list(expected.missing_ranks)
     assert_planted_findings(out["findings"], sc, expected, proc.stdout[:4000])
     in_process = json.loads(json.dumps(analyze_dumps(sc.outdir).to_json(), default=str))
-    for key in ("verdict", "culprit_ranks", "findings", "missing_ranks", "wavefront"):
+    assert all(isinstance(f["stacks"], list) for f in out["findings"])  # the CLI adds the stacks
+    cli_findings = [{k: v for k, v in f.items() if k != "stacks"} for f in out["findings"]]
+    assert cli_findings == in_process["findings"]
+    for key in ("verdict", "culprit_ranks", "missing_ranks", "wavefront"):
         assert out[key] == in_process[key], key
 
 
