@@ -23,7 +23,6 @@ Point-to-point ops are checked in ``controlplane.diagnosis.p2p``.
 
 from __future__ import annotations
 
-import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from statistics import median
@@ -94,9 +93,7 @@ class Analysis:
         self.extra: list[ExtraCandidate] = []
         self.last_group = {r: last_group(t) for r, t in traces.ranks.items()}
         self._compat_cache: dict[tuple[int, int], str | None] = {}
-        self._numel_cache: dict[tuple[int, bool], int] = {}
         self._canon: list[int] = []
-        self._delta: list[int] = []
 
     def add(self, finding: Finding) -> None:
         """Keep a finding; its waiting ranks wait on the ranks it blames."""
@@ -320,7 +317,7 @@ class Analysis:
         sigs = self.sigs
         if all(sigs[s].op == "all_to_all" for s in distinct) and len(
                 {(sigs[s].input_dtypes, sigs[s].output_dtypes) for s in distinct}) == 1:
-            return self._check_all_to_all(g, at, seq, budget)  # uneven splits: only totals matter
+            return self._check_all_to_all(g, ops_by_rank, seq, budget)  # uneven splits: only totals matter
         # classes of mutually compatible signatures, biggest first
         classes: list[tuple[int, list[int]]] = []  # (representative sig, ranks)
         for r in sorted(at):
@@ -332,7 +329,7 @@ class Analysis:
                 classes.append((at[r], [r]))
         if len(classes) == 1:
             if self.sigs[classes[0][0]].op == "all_to_all":
-                return self._check_all_to_all(g, at, seq, budget)
+                return self._check_all_to_all(g, ops_by_rank, seq, budget)
             return False
         classes.sort(key=lambda c: -len(c[1]))
         tie = len(classes[1][1]) == len(classes[0][1])
@@ -367,31 +364,19 @@ class Analysis:
 
     def _check_all_to_all_totals(self, g: GroupInfo, ops_by_rank: dict[int, GroupOps], lo: int, hi: int,
                                  checked: set[int], budget: list[int]) -> None:
-        """Per collective, what the members send in total must equal what they receive:
-        summed over the group in one pass per rank."""
-        delta = self._deltas()
-        rows = [list(map(delta.__getitem__, self._slice(o, lo, hi))) for o in ops_by_rank.values()]
+        """Per collective, what the members send in total must equal what they receive
+        (``GroupOps.delta``), summed over the group in one pass per rank."""
+        rows = [self._slice_of(o, o.delta, lo, hi) for o in ops_by_rank.values()]
         for i, total in enumerate(map(sum, zip(*rows))):
             if total and (lo + i) not in checked and budget[0] > 0:
                 checked.add(lo + i)
-                at = {r: o.sigs[j] for r, o in ops_by_rank.items() if (j := o.index(lo + i)) is not None}
-                self._check_all_to_all(g, at, lo + i, budget)
+                self._check_all_to_all(g, ops_by_rank, lo + i, budget)
 
-    def _deltas(self) -> list[int]:
-        """Signature id -> elements sent minus received (all_to_all only; 0 otherwise)."""
-        n = len(self.sigs)
-        if len(self._delta) != n + 1:
-            prod = math.prod
-            self._delta = [sum(map(prod, s.input_sizes)) - sum(map(prod, s.output_sizes))
-                           if s.op == "all_to_all" else 0 for s in self.sigs] + [0]
-        return self._delta
-
-    def _numel(self, sig: int, inputs: bool) -> int:
-        key = (sig, inputs)
-        n = self._numel_cache.get(key)
-        if n is None:
-            n = self._numel_cache[key] = _numel(self.sigs[sig].input_sizes if inputs else self.sigs[sig].output_sizes)
-        return n
+    @staticmethod
+    def _slice_of(o: GroupOps, values, lo: int, hi: int) -> list[int]:  # noqa: ANN001 (list or array)
+        if o.consecutive:
+            return list(values[lo - o.seqs[0]:hi - o.seqs[0] + 1])
+        return [values[i] if (i := o.index(s)) is not None else 0 for s in range(lo, hi + 1)]
 
     def _compat(self, a: int, b: int) -> str | None:
         key = (a, b)
@@ -399,16 +384,16 @@ class Analysis:
             self._compat_cache[key] = _incompatibility(self.sigs[a], self.sigs[b])
         return self._compat_cache[key]
 
-    def _check_all_to_all(self, g: GroupInfo, at: dict[int, int], seq: int, budget: list[int]) -> bool:
-        numel = self._numel
-        sent = sum(numel(s, True) for s in at.values())
-        received = sum(numel(s, False) for s in at.values())
-        if len(at) < len(g.members) or sent == received:
+    def _check_all_to_all(self, g: GroupInfo, ops_by_rank: dict[int, GroupOps], seq: int,
+                          budget: list[int]) -> bool:
+        at = {r: o.delta[j] for r, o in ops_by_rank.items() if (j := o.index(seq)) is not None}
+        total = sum(at.values())
+        if len(at) < len(g.members) or total == 0:
             return False
         self.add(Finding(
             "size_mismatch", g.name, seq, sorted(at),
-            f"all_to_all {seq} of group {g.label()}: the members send {sent} elements in total but "
-            f"receive {received}; the splits disagree"))
+            f"all_to_all {seq} of group {g.label()}: the members send {abs(total)} elements "
+            f"{'more' if total > 0 else 'fewer'} than they receive in total; the splits disagree"))
         budget[0] -= 1
         return True
 
@@ -467,10 +452,6 @@ def _incompatibility(a: Signature, b: Signature) -> str | None:
     if compare_out and a.output_sizes and b.output_sizes and a.output_sizes != b.output_sizes:
         return "size_mismatch"
     return None
-
-
-def _numel(sizes: tuple[tuple[int, ...], ...]) -> int:
-    return sum(math.prod(s) for s in sizes)
 
 
 def _ranks(ranks: list[int]) -> str:

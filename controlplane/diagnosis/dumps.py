@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import multiprocessing
 import os
 import pickle
@@ -40,7 +41,7 @@ from typing import Any
 
 from fleet.controlplane.diagnosis.traces import GroupOps, GroupStatus, RankTrace, SignatureTable, TraceBuilder, TraceSet
 from fleet.controlplane.errors import DumpError
-from fleet.proto.flight_record import dtype_names, entry_done, entry_op
+from fleet.proto.flight_record import dtype_names, entry_op, is_done
 from fleet.proto.vocab import split_op
 
 #: Format major versions this reader understands (torch 2.x writes "2.<minor>").
@@ -246,28 +247,41 @@ def _dumped_ns(doc: dict[str, Any], path: Path) -> int:
         return 0
 
 
-#: The fields every 2.x entry has, read in one C call per entry.
+#: The fields every 2.x entry has, read in one C call per entry ...
 _CORE = itemgetter("process_group", "profiling_name", "input_sizes", "output_sizes", "input_dtypes",
                    "output_dtypes", "time_created_ns", "collective_seq_id")
+#: ... and with the ones that are there in every dump torch 2.4+ writes.
+_FULL = itemgetter("process_group", "profiling_name", "input_sizes", "output_sizes", "input_dtypes",
+                   "output_dtypes", "time_created_ns", "collective_seq_id", "retired", "state", "is_p2p",
+                   "time_discovered_completed_ns")
 
 
 def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable) -> dict[str, str]:
     """Convert the entries into the builder's trace; returns the entries' ``pg_id`` ->
     group name (how gloo keys ``pg_status``). This loop is most of a dump's reading
     cost after unpickling, so the common case (an in-order collective with a signature
-    seen before) is a few dict lookups and list appends."""
+    seen before) is one field fetch, two dict lookups and five list appends."""
     trace = builder.trace
     # Raw-field key -> signature id: most entries repeat a handful of signatures, so a
-    # cheap text key avoids normalising sizes and names for every entry.
+    # cheap key of the raw fields avoids normalising sizes and names for every entry.
     local: dict[tuple, int] = {}
+    named: dict[tuple, tuple] = {}  # (profiling name, dtypes) -> canonical (op, dtypes)
+    kinds: dict[str, str] = {}      # profiling name -> canonical op
+    prod = math.prod
     descs = trace.group_desc
     groups = trace.groups
+    appends: dict[str, tuple] = {}  # group -> (its seqs, and the appends of its other lists)
     pg_ids: dict[str, str] = {}
     timeouts = trace.group_timeout_ms
     i = 0
     try:
         for i, e in enumerate(entries):
-            pg, pn, ins, outs, ind, outd, enter, seq = _CORE(e)
+            try:
+                pg, pn, ins, outs, ind, outd, enter, seq, retired, state, is_p2p, exit_ns = _FULL(e)
+            except KeyError:  # an older minor version: only the core fields are certain
+                pg, pn, ins, outs, ind, outd, enter, seq = _CORE(e)
+                retired, state, is_p2p = e.get("retired"), e.get("state"), e.get("is_p2p")
+                exit_ns = e.get("time_discovered_completed_ns")
             group = pg[0]
             if type(group) is not str:
                 group = str(group)
@@ -275,15 +289,45 @@ def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable
                 descs[group] = str(pg[1]) if len(pg) > 1 else ""
                 pg_ids[str(e.get("pg_id"))] = group
                 timeouts[group] = int(e.get("timeout_ms") or 0)
-            raw = (pn, str(ins), str(outs), str(ind), str(outd))
+            kind = kinds.get(pn)
+            if kind is None:
+                kind = kinds[pn] = split_op(entry_op(e))[0]
+            single = len(ins) == 1 and len(outs) == 1 and len(ind) == 1 and len(outd) == 1
+            if kind == "all_to_all":
+                # uneven splits differ per rank and step: the signature keeps the shape
+                # without its first dimension, the entry what it sent minus received
+                if single:
+                    i0, o0 = ins[0], outs[0]
+                    delta = prod(i0) - prod(o0)
+                    raw = (pn, ind[0], outd[0], -2, *i0[1:], -1, *o0[1:])
+                else:
+                    delta = sum(map(prod, ins)) - sum(map(prod, outs))
+                    raw = (pn, -2, str([d[1:] for d in ins]), str([d[1:] for d in outs]), str(ind), str(outd))
+            elif single:
+                delta = 0
+                raw = (pn, ind[0], outd[0], *ins[0], -1, *outs[0])  # the common case, ~8x cheaper than text
+            else:
+                delta = 0
+                raw = (pn, str(ins), str(outs), str(ind), str(outd))
             sig = local.get(raw)
             if sig is None:
-                op, _meta = split_op(entry_op(e))
-                sig = local[raw] = table.intern(op, ins or (), outs or (), dtype_names(ind), dtype_names(outd))
-            done = entry_done(e)
+                nk = pn, str(ind), str(outd)
+                names = named.get(nk)
+                if names is None:
+                    names = named[nk] = (kind, tuple(dtype_names(ind)), tuple(dtype_names(outd)))
+                if kind == "all_to_all":
+                    sizes = (tuple((-1, *map(int, d[1:])) for d in ins or ()),
+                             tuple((-1, *map(int, d[1:])) for d in outs or ()))
+                elif single:
+                    sizes = (tuple(map(int, ins[0])),), (tuple(map(int, outs[0])),)
+                else:
+                    sizes = (tuple(tuple(map(int, d)) for d in ins or ()),
+                             tuple(tuple(map(int, d)) for d in outs or ()))
+                sig = local[raw] = table.intern_key((names[0], *sizes, names[1], names[2]))
+            done = is_done(retired, state)
             if type(enter) is not int:
                 enter = int(enter or 0)
-            if e.get("is_p2p"):
+            if is_p2p:
                 op, meta = split_op(entry_op(e))
                 builder.add_p2p(group, op, meta, int(e.get("p2p_seq_id") or 0), sig, enter, done)
                 continue
@@ -291,19 +335,25 @@ def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable
                 seq = int(seq)
             if seq <= 0:
                 continue
-            exit_ns = e.get("time_discovered_completed_ns") or 0
-            ops = groups.get(group)
-            if ops is None:
-                ops = groups[group] = GroupOps()
-            seqs = ops.seqs
+            if type(exit_ns) is not int:
+                exit_ns = int(exit_ns or 0)
+            app = appends.get(group)
+            if app is None:
+                ops = groups.get(group)
+                if ops is None:
+                    ops = groups[group] = GroupOps()
+                app = appends[group] = (ops.seqs, ops.sigs.append, ops.enter_ns.append, ops.exit_ns.append,
+                                        ops.done.append, ops.delta.append)
+            seqs = app[0]
             if seqs and seq <= seqs[-1]:  # coalesced or out of order: the builder's slow path
-                builder.add_collective(group, seq, sig, enter, int(exit_ns), done)
+                builder.add_collective(group, seq, sig, enter, exit_ns, done, delta)
                 continue
             seqs.append(seq)
-            ops.sigs.append(sig)
-            ops.enter_ns.append(enter)
-            ops.exit_ns.append(exit_ns if type(exit_ns) is int else int(exit_ns))
-            ops.done.append(done)
+            app[1](sig)
+            app[2](enter)
+            app[3](exit_ns)
+            app[4](done)
+            app[5](delta)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         e = entries[i]
         if not isinstance(e, dict):

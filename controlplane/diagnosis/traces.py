@@ -23,13 +23,15 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import math
 from array import array
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
-@dataclass(frozen=True, slots=True)
-class Signature:
-    """What every member of a group must agree on for one collective."""
+class Signature(NamedTuple):
+    """What every member of a group must agree on for one collective. A named tuple, not
+    a dataclass: a 512-rank MoE job has ~10^5 distinct ones (an all_to_all's splits
+    change every step), and a tuple is made from its key for a fraction of the cost."""
 
     op: str
     input_sizes: tuple[tuple[int, ...], ...]
@@ -42,6 +44,9 @@ class Signature:
         sizes = [list(s) for s in self.input_sizes] if self.input_sizes else [list(s) for s in self.output_sizes]
         dtypes = ",".join(sorted(set(self.input_dtypes) | set(self.output_dtypes))) or "-"
         return f"{self.op} {sizes} {dtypes}"
+
+
+_make_signature = Signature._make
 
 
 class SignatureTable:
@@ -65,7 +70,7 @@ class SignatureTable:
         sid = self.ids.get(key)
         if sid is None:
             sid = self.ids[key] = len(self.sigs)
-            self.sigs.append(Signature(*key))
+            self.sigs.append(_make_signature(key))
         return sid
 
     def merge(self, first: int, second: int) -> int:
@@ -82,7 +87,10 @@ class GroupOps:
     """One rank's collectives on one group, as parallel lists ascending by ``seqs``.
 
     ``enter_ns`` is when the rank issued the op; ``exit_ns`` 0 when unknown; ``done`` is
-    True once the backend retired the op (for gloo this is also how a timed-out op ends).
+    True once the backend retired the op (for gloo this is also how a timed-out op ends);
+    ``delta`` the elements the rank sent minus those it received (non-zero only for an
+    all_to_all, whose uneven splits differ per rank while the group's sum must be 0: kept
+    per entry so that the signature need not carry the split).
     """
 
     seqs: list[int] = field(default_factory=list)
@@ -90,6 +98,7 @@ class GroupOps:
     enter_ns: list[int] = field(default_factory=list)
     exit_ns: list[int] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
+    delta: list[int] = field(default_factory=list)
 
     def index(self, seq: int) -> int | None:
         """Position of ``seq`` in the lists, or None."""
@@ -108,6 +117,7 @@ class GroupOps:
         self.seqs, self.sigs = array("q", self.seqs), array("q", self.sigs)  # type: ignore[assignment]
         self.enter_ns, self.exit_ns = array("q", self.enter_ns), array("q", self.exit_ns)  # type: ignore[assignment]
         self.done = array("b", self.done)  # type: ignore[assignment]
+        self.delta = array("q", self.delta)  # type: ignore[assignment]
 
     @property
     def consecutive(self) -> bool:
@@ -184,8 +194,13 @@ class TraceBuilder:
         if members:
             self.trace.group_ranks[group] = members
 
-    def add_collective(self, group: str, seq: int, sig: int, enter_ns: int, exit_ns: int, done: bool) -> None:
-        """Append one collective; a repeated ``seq`` joins the previous one (coalescing)."""
+    def add_collective(self, group: str, seq: int, sig: int, enter_ns: int, exit_ns: int, done: bool,
+                       delta: int | None = None) -> None:
+        """Append one collective; a repeated ``seq`` joins the previous one (coalescing).
+        ``delta`` (see ``GroupOps``) defaults to what the signature's sizes say."""
+        if delta is None:
+            s = self.table.sigs[sig]
+            delta = a2a_delta(s.op, s.input_sizes, s.output_sizes)
         ops = self.trace.groups.get(group)
         if ops is None:
             ops = self.trace.groups[group] = GroupOps()
@@ -193,23 +208,25 @@ class TraceBuilder:
         if ops.seqs and seq <= ops.seqs[-1]:
             i = ops.index(seq)
             if i is None:  # out of order: rare; keep the lists sorted
-                self._insert(ops, seq, sig, enter_ns, exit_ns, done)
+                self._insert(ops, seq, sig, enter_ns, exit_ns, done, delta)
                 return
             ops.sigs[i] = self.table.merge(ops.sigs[i], sig)
             ops.done[i] = ops.done[i] and done
             ops.exit_ns[i] = max(ops.exit_ns[i], exit_ns) if ops.done[i] else 0
+            ops.delta[i] += delta
             return
         ops.seqs.append(seq)
         ops.sigs.append(sig)
         ops.enter_ns.append(enter_ns)
         ops.exit_ns.append(exit_ns)
         ops.done.append(done)
+        ops.delta.append(delta)
 
     @staticmethod
-    def _insert(ops: GroupOps, seq: int, sig: int, enter_ns: int, exit_ns: int, done: bool) -> None:
+    def _insert(ops: GroupOps, seq: int, sig: int, enter_ns: int, exit_ns: int, done: bool, delta: int) -> None:
         i = bisect.bisect_left(ops.seqs, seq)
         for lst, v in ((ops.seqs, seq), (ops.sigs, sig), (ops.enter_ns, enter_ns),
-                       (ops.exit_ns, exit_ns), (ops.done, done)):
+                       (ops.exit_ns, exit_ns), (ops.done, done), (ops.delta, delta)):
             lst.insert(i, v)
 
     def add_p2p(self, group: str, kind: str, meta: str, seq: int, sig: int, enter_ns: int, done: bool) -> None:
@@ -238,3 +255,9 @@ def _p2p_peer(kind: str, meta: str) -> int:
     except (IndexError, ValueError):
         return -1
 
+
+def a2a_delta(op: str, input_sizes: Iterable[Iterable[int]], output_sizes: Iterable[Iterable[int]]) -> int:
+    """Elements sent minus received by one rank's all_to_all (0 for any other op)."""
+    if op != "all_to_all":
+        return 0
+    return sum(math.prod(s) for s in input_sizes) - sum(math.prod(s) for s in output_sizes)

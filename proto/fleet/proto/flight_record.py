@@ -33,7 +33,12 @@ P2P_SUFFIX = ":p2p"
 
 def entry_done(entry: Mapping[str, Any]) -> bool:
     """True once the backend finished the entry (``retired``, or ``state == "completed"``)."""
-    return entry.get("retired") is True or entry.get("state") == "completed"
+    return is_done(entry.get("retired"), entry.get("state"))
+
+
+def is_done(retired: object, state: object) -> bool:
+    """``entry_done`` from the two fields, for readers that fetched them already."""
+    return retired is True or state == "completed"
 
 
 def entry_seq(entry: Mapping[str, Any]) -> int:
