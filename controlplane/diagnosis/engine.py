@@ -113,8 +113,11 @@ def diagnose(traces: TraceSet, config: DiagnosisConfig = DiagnosisConfig(),
     culprits, verdict = decide(a)
     if not present or not any(t.entries or t.status for t in traces.ranks.values()):
         verdict = "empty"
-    # causes first: the findings that blame a culprit, then the waits they explain
-    findings = sorted(a.findings, key=lambda f: not set(f.ranks) & set(culprits))
+    # causes first: the findings that blame only culprits, then those that blame some,
+    # then the waits they explain
+    named = set(culprits)
+    findings = sorted(a.findings, key=lambda f: 0 if f.ranks and set(f.ranks) <= named
+                      else 1 if set(f.ranks) & named else 2)
     blocked = {(w, f.group) for f in findings for w in f.waiting}
     waves = [replace(w, waiting=True) if (w.rank, w.group) in blocked else w for w in wavefront(traces)]
     return Diagnosis(
