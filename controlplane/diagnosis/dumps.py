@@ -72,26 +72,25 @@ def discover(folder: Path, prefix: str | None = None) -> dict[int, Path]:
     each host writes with its own name in the prefix), read as one set when those
     prefixes share a beginning, all end in ``_`` and no rank has two files. With
     ``prefix``: the files named ``<prefix><rank>``, else (when there are none) those
-    named ``<prefix><anything>_<rank>``."""
+    named ``<prefix><anything>_<rank>``. A folder holding only folders is read through
+    (every file below it)."""
     if not folder.is_dir():
         raise DumpError(f"{folder}: not a folder of flight-recorder dumps")
     by_prefix: dict[str, dict[int, Path]] = {}
     exact: dict[int, Path] = {}
     hosts: list[tuple[int, Path]] = []
-    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.name.startswith(".") or not entry.is_file():
-            continue
+    for name, path in _files(folder):
         if prefix is not None:
-            rest = entry.name[len(prefix):]
-            m = _REST.match(rest) if entry.name.startswith(prefix) else None
+            rest = name[len(prefix):]
+            m = _REST.match(rest) if name.startswith(prefix) else None
             if m and rest.isdigit():
-                _add_file(folder, exact, int(rest), Path(entry.path))
+                _add_file(folder, exact, int(rest), path)
             elif m:
-                hosts.append((int(m.group(1)), Path(entry.path)))
+                hosts.append((int(m.group(1)), path))
             continue
-        m = _NAME.match(entry.name)
+        m = _NAME.match(name)
         if m:
-            by_prefix.setdefault(m.group(1), {})[int(m.group(2))] = Path(entry.path)
+            by_prefix.setdefault(m.group(1), {})[int(m.group(2))] = path
     if prefix is not None:
         if not exact and not hosts:
             raise DumpError(f"{folder}: no dump files named {prefix}<rank> or {prefix}<host>_<rank>")
@@ -112,6 +111,20 @@ def discover(folder: Path, prefix: str | None = None) -> dict[int, Path]:
         for rank, path in files.items():
             _add_file(folder, chosen, rank, path)
     return chosen
+
+
+def _files(folder: Path) -> list[tuple[str, Path]]:
+    """The files to consider, by name: the folder's own, or, when it holds only folders
+    (one per host, say), every file below it, as torchfrtrace walks them. Dot files (a
+    dump being written) are skipped."""
+    top = [(e.name, Path(e.path)) for e in os.scandir(folder) if e.is_file() and not e.name.startswith(".")]
+    if top:
+        return sorted(top)
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [(n, Path(root) / n) for n in sorted(names) if not n.startswith(".")]
+    return found
 
 
 #: What follows a given --prefix: ``<rank>`` or ``<anything>_<rank>``.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import pytest
 
 from fleet.controlplane.cli.main import main as cli
 from fleet.controlplane.cli.replay import VERDICT_EXIT_CODES
-from fleet.controlplane.diagnosis import diagnose, load_traces
+from fleet.controlplane.diagnosis import analyze_dumps, diagnose, load_traces
 from fleet.controlplane.diagnosis.stacks import finding_stacks
 from fleet.controlplane.errors import DumpError, FleetError
 from tests.unit.test_diagnosis_dumps import doc, entry, gather, write_world
@@ -299,3 +300,13 @@ def test_replaying_dumps_imports_no_store_grpc_ray_or_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "[0, 0, 0] []"
+
+
+def test_a_folder_of_per_host_folders_is_read_through(tmp_path):
+    # dumps collected one folder per host, as torchfrtrace walks them
+    flat = write_world(tmp_path / "flat", culprit=2)
+    for r, host in enumerate(["node-a", "node-a", "node-b", "node-b"]):
+        (tmp_path / "nested" / host).mkdir(parents=True, exist_ok=True)
+        shutil.copy(flat / f"fr_dump_{r}", tmp_path / "nested" / host / f"fr_dump_{r}")
+    d = analyze_dumps(tmp_path / "nested")
+    assert sorted(d.ranks) == [0, 1, 2, 3] and (d.verdict, d.culprit_ranks) == ("hang", [2])
