@@ -240,6 +240,9 @@ def _write_perfetto(path: Path, traces: Any, diag: Any, view: _View) -> None:
     err_console.print(f"wrote {path} ({len(doc['traceEvents'])} events); open it in https://ui.perfetto.dev")
 
 
+#: Findings the text output lists (causes first); --json has them all.
+MAX_FINDINGS_SHOWN = 40
+
 _VERDICT_STYLE = {"ok": "green", "hang": "red", "mismatch": "red", "straggler": "yellow", "empty": "dim"}
 
 
@@ -249,10 +252,14 @@ def _print_diagnosis(d: dict[str, Any], title: str) -> None:
     if d.get("missing_ranks"):
         console.print(f"[yellow]no trace from ranks {d['missing_ranks']}[/]")
     if d["findings"]:
+        shown = d["findings"][:MAX_FINDINGS_SHOWN]  # causes come first
         print_table("findings", ["#", "kind", "group", "seq", "ranks", "waiting", "detail"],
                     [[n, f["kind"], f["group"], f["seq"], _short(f["ranks"]), _short(f.get("waiting_ranks", [])),
-                      f["detail"]] for n, f in enumerate(d["findings"], 1)])
-        _print_stacks(d["findings"])
+                      f["detail"]] for n, f in enumerate(shown, 1)])
+        if len(d["findings"]) > len(shown):
+            console.print(f"... {len(d['findings']) - len(shown)} more findings, the waits the ones above explain "
+                          "(use --rank/--group or --json)")
+        _print_stacks(shown)
     waves = d["wavefront"]
     if waves:
         culprits = set(d["culprit_ranks"])

@@ -34,7 +34,7 @@ P2P_KINDS = frozenset({"p2p_unmatched", "p2p_mismatch"})
 
 
 def finding_stacks(diag: Diagnosis, traces: TraceSet, max_ranks: int = 4, *,
-                   max_files: int = 32) -> dict[int, list[dict[str, Any]]]:
+                   max_files: int = 4) -> dict[int, list[dict[str, Any]]]:
     """Finding index -> the stacks of (up to ``max_ranks`` of) the ranks it blames, each
     ``{"rank", "group", "seq", "op", "state", "frames": [{"name", "filename", "line"}]}``,
     ``state`` one of scheduled|started|completed. Every finding has a key (an empty list

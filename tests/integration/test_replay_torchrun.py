@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +29,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End torchrun and its ranks, by PID (torchrun starts each rank in a session of its
+    own, so killing torchrun's group would leave them), and check nothing is left."""
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
+    for p in [*ranks, psutil.Process(proc.pid)] if proc.poll() is None else ranks:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+    _gone, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, f"ranks still running: {[p.pid for p in alive]}"
 
 
 def _dumps_with_markers(folder: Path) -> dict[int, dict]:
@@ -56,8 +73,7 @@ def test_a_hung_torchrun_job_leaves_dumps_and_replay_names_the_hung_rank(tmp_pat
             time.sleep(0.2)
         assert proc.poll() is None  # still hung: every dump came from a stall watcher
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: the session this test started
-        proc.wait(timeout=30)
+        _stop(proc)
         log.close()
     markers = _dumps_with_markers(folder)
     assert all(m.get("reason", "").startswith("no progress") for m in markers.values()), markers
