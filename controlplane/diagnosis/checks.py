@@ -268,7 +268,8 @@ class Analysis:
         budget = [self.config.max_findings_per_group]
         if lo <= hi:
             canon = self._canonical()
-            histories = {r: tuple(map(canon.__getitem__, self._slice(o, lo, hi))) for r, o in ops_by_rank.items()}
+            histories = {r: tuple(map(canon.__getitem__, self._column(o, o.sigs, lo, hi, -1)))
+                         for r, o in ops_by_rank.items()}
             ref_key, _ = Counter(histories.values()).most_common(1)[0]
             for r, hist in histories.items():
                 if hist == ref_key or budget[0] <= 0:
@@ -286,17 +287,6 @@ class Analysis:
         for seq in range(max(hi + 1, lo), min(top, hi + 64) + 1):
             if seq not in checked and budget[0] > 0:
                 self._judge(g, ops_by_rank, seq, budget)
-
-    @staticmethod
-    def _slice(o: GroupOps, lo: int, hi: int) -> tuple[int, ...]:
-        if o.consecutive:
-            base = o.seqs[0]
-            return tuple(o.sigs[lo - base:hi - base + 1])
-        out = []
-        for s in range(lo, hi + 1):
-            i = o.index(s)
-            out.append(o.sigs[i] if i is not None else -1)
-        return tuple(out)
 
     def _blamed_at(self, group: str, seq: int) -> set[int]:
         return {r for f in self.findings if f.group == group and f.seq == seq for r in f.ranks}
@@ -366,17 +356,19 @@ class Analysis:
                                  checked: set[int], budget: list[int]) -> None:
         """Per collective, what the members send in total must equal what they receive
         (``GroupOps.delta``), summed over the group in one pass per rank."""
-        rows = [self._slice_of(o, o.delta, lo, hi) for o in ops_by_rank.values()]
+        rows = [self._column(o, o.delta, lo, hi, 0) for o in ops_by_rank.values()]
         for i, total in enumerate(map(sum, zip(*rows))):
             if total and (lo + i) not in checked and budget[0] > 0:
                 checked.add(lo + i)
                 self._check_all_to_all(g, ops_by_rank, lo + i, budget)
 
     @staticmethod
-    def _slice_of(o: GroupOps, values, lo: int, hi: int) -> list[int]:  # noqa: ANN001 (list or array)
+    def _column(o: GroupOps, values, lo: int, hi: int, gap: int) -> list[int]:  # noqa: ANN001 (list or array)
+        """``values`` (one of ``o``'s parallel lists) for sequence numbers lo..hi, ``gap``
+        where ``o`` has none."""
         if o.consecutive:
             return list(values[lo - o.seqs[0]:hi - o.seqs[0] + 1])
-        return [values[i] if (i := o.index(s)) is not None else 0 for s in range(lo, hi + 1)]
+        return [values[i] if (i := o.index(s)) is not None else gap for s in range(lo, hi + 1)]
 
     def _compat(self, a: int, b: int) -> str | None:
         key = (a, b)
