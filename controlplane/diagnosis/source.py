@@ -22,7 +22,7 @@ from typing import Protocol
 from fleet.controlplane.diagnosis.engine import Diagnosis, DiagnosisConfig, diagnose
 from fleet.controlplane.diagnosis.traces import SignatureTable, TraceBuilder, TraceSet
 from fleet.controlplane.lifecycle import AttemptState
-from fleet.proto.flight_record import p2p_group
+from fleet.proto.flight_record import P2P_SUFFIX, p2p_group
 from fleet.proto.vocab import P2P_OPS, split_op
 
 #: Attempt states whose traces may still grow (their waits can be in flight).
@@ -94,8 +94,10 @@ class TraceSource(Protocol):
         """Every collective of the attempt."""
         ...
 
-    def recent_collectives(self, job_id: str, attempt: int, per_group: int) -> Iterable[StoredCollective]:
-        """The newest ``per_group`` collectives of each (rank, group) of the attempt."""
+    def recent_collectives(self, job_id: str, attempt: int, per_group: int,
+                           groups: Sequence[str] | None = None) -> Iterable[StoredCollective]:
+        """The newest ``per_group`` collectives of each (rank, group) of the attempt (of
+        ``groups`` only, when given)."""
         ...
 
     def process_groups(self, job_id: str, attempt: int) -> Iterable[StoredGroup]:
@@ -112,9 +114,12 @@ class TraceSource(Protocol):
 
 
 def attempt_traces(source: TraceSource, job_id: str, attempt: int,
-                   rows: Iterable[StoredCollective] | None = None) -> TraceSet:
+                   rows: Iterable[StoredCollective] | None = None,
+                   groups: Sequence[str] | None = None) -> TraceSet:
     """Every rank's stored collectives of one attempt (or just ``rows`` of them), as
-    diagnosis traces."""
+    diagnosis traces. ``groups``: only these process groups and their members count (a
+    large job's diagnosis around a suspect: its other groups' members left no rows)."""
+    only = None if groups is None else set(groups)
     table = SignatureTable()
     builders: dict[int, TraceBuilder] = {}
 
@@ -125,9 +130,13 @@ def attempt_traces(source: TraceSource, job_id: str, attempt: int,
         return b
 
     for g in source.process_groups(job_id, attempt):
+        if only is not None and g.group not in only:
+            continue
         for name in (g.group, p2p_group(g.group)):
             builder(g.rank).declare_group(name, g.desc, g.ranks)
     for c in source.collectives(job_id, attempt) if rows is None else rows:
+        if only is not None and c.group not in only and c.group.removesuffix(P2P_SUFFIX) not in only:
+            continue
         b = builder(c.rank)
         op, meta = split_op(c.op)
         sig = table.intern(op, c.input_sizes, c.output_sizes, c.input_dtypes, c.output_dtypes)
@@ -137,16 +146,19 @@ def attempt_traces(source: TraceSource, job_id: str, attempt: int,
         else:
             b.add_collective(c.group, c.seq, sig, c.enter_ns, 0 if c.exit_estimated else (c.exit_ns or 0), done)
     ranks = {r: b.finish() for r, b in builders.items()}
-    for r in source.ranks(job_id, attempt):
+    for r in source.ranks(job_id, attempt) if only is None else ():
         ranks.setdefault(r.rank, builder(r.rank).finish())
     return TraceSet(source=f"store:{job_id}", ranks=ranks, table=table, attempt=attempt)
 
 
-def recent_traces(source: TraceSource, job_id: str, attempt: int, per_group: int) -> TraceSet:
+def recent_traces(source: TraceSource, job_id: str, attempt: int, per_group: int,
+                  groups: Sequence[str] | None = None) -> TraceSet:
     """The attempt's newest ``per_group`` collectives per (rank, group) as traces: what
     ``attempt_traces`` builds, bounded to a window, so that a live diagnosis costs the
-    same at step 10 and at step 100,000."""
-    return attempt_traces(source, job_id, attempt, source.recent_collectives(job_id, attempt, per_group))
+    same at step 10 and at step 100,000. ``groups``: only these groups (``attempt_traces``)."""
+    rows = (source.recent_collectives(job_id, attempt, per_group) if groups is None else
+            source.recent_collectives(job_id, attempt, per_group, groups=groups))
+    return attempt_traces(source, job_id, attempt, rows, groups)
 
 
 def diagnose_attempt(source: TraceSource, job_id: str, attempt: int,

@@ -267,6 +267,54 @@ def _write_collectives(session: Session, rows: list[tuple]) -> None:
         cursor.close()
 
 
+FRONT_COLUMNS = ("job_id", "attempt", "rank", "group_name", "group_size", "entered_seq",
+                 "completed_seq", "entered_ns", "completed_ns", "op", "signature", "step")
+_FRONT_KEY = ("job_id", "attempt", "rank", "group_name")
+_FRONT_STAGE = "fleet_stage_fronts"
+
+
+@functools.cache
+def front_upsert_sql(dialect_name: str) -> str:
+    """The statement fronts go through: a row replaces the stored one of its (job, attempt,
+    rank, group) unless that one is further on (a higher ``entered_seq``, or as high and
+    completed further), so snapshots written out of order never move a front back."""
+    cols = ", ".join(FRONT_COLUMNS)
+    newer = ("(excluded.entered_seq > collective_fronts.entered_seq OR (excluded.entered_seq = "
+             "collective_fronts.entered_seq AND excluded.completed_seq >= collective_fronts.completed_seq))")
+    keep = ", ".join(f"{c} = CASE WHEN {newer} THEN excluded.{c} ELSE collective_fronts.{c} END"
+                     for c in FRONT_COLUMNS if c not in _FRONT_KEY)
+    if dialect_name == "sqlite":
+        values = f"VALUES ({', '.join(['?'] * len(FRONT_COLUMNS))})"
+    else:
+        values = f"SELECT {cols} FROM {_FRONT_STAGE}"
+    return (f"INSERT INTO collective_fronts ({cols}) {values} "
+            f"ON CONFLICT ({', '.join(_FRONT_KEY)}) DO UPDATE SET {keep}")
+
+
+def write_fronts(session: Session, rows: Sequence[tuple]) -> None:
+    """Upsert front rows (``FRONT_COLUMNS`` order, one per key) inside the caller's
+    transaction: ``executemany`` on SQLite, ``COPY`` into a staging table on PostgreSQL."""
+    if not rows:
+        return
+    dialect = session.get_bind().dialect
+    sql = front_upsert_sql(dialect.name)
+    cursor = session.connection().connection.dbapi_connection.cursor()
+    try:
+        if dialect.name == "sqlite":
+            cursor.executemany(sql, rows)
+        else:
+            cursor.execute(f"CREATE TEMP TABLE IF NOT EXISTS {_FRONT_STAGE} (LIKE collective_fronts) "
+                           "ON COMMIT DELETE ROWS")
+            with cursor.copy(f"COPY {_FRONT_STAGE} ({', '.join(FRONT_COLUMNS)}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+            cursor.execute(sql)
+    except dialect.loaded_dbapi.Error as e:
+        raise DBAPIError.instance(sql, None, e, dialect.loaded_dbapi.Error) from e
+    finally:
+        cursor.close()
+
+
 # -- the rest -------------------------------------------------------------------------------
 
 def _step_row(ev: events_pb2.StepEvent) -> dict[str, Any]:

@@ -173,6 +173,28 @@ class Collective(Base):
     step: Mapped[int] = mapped_column(BigInteger)
 
 
+class CollectiveFront(Base):
+    """Where one rank stood in one process group (``fleet.proto.fronts.FrontRow``): the
+    telemetry of a large job instead of every collective. The controller keeps the live
+    fronts in memory (``controlplane.wavefront``) and writes them here every few seconds
+    and at every incident, so ``fleet replay`` shows the wavefront around it."""
+
+    __tablename__ = "collective_fronts"
+
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    group_name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    group_size: Mapped[int] = mapped_column(Integer)
+    entered_seq: Mapped[int] = mapped_column(BigInteger)
+    completed_seq: Mapped[int] = mapped_column(BigInteger)
+    entered_ns: Mapped[int] = mapped_column(BigInteger)
+    completed_ns: Mapped[int] = mapped_column(BigInteger)
+    op: Mapped[str] = mapped_column(String(64))
+    signature: Mapped[int] = mapped_column(BigInteger)
+    step: Mapped[int] = mapped_column(BigInteger)
+
+
 class ProcessGroupRow(Base):
     """A process group as one rank declared it: its members, so the diagnosis engine can
     tell a member that never entered a collective from a rank outside the group."""

@@ -34,6 +34,7 @@ from fleet.controlplane.store.records import (
 )
 from fleet.controlplane.store.schema import (
     Collective,
+    CollectiveFront,
     IngestBatch,
     IngestDrop,
     ProcessGroupRow,
@@ -42,6 +43,7 @@ from fleet.controlplane.store.schema import (
     WorkerStatusRow,
 )
 from fleet.proto import events_pb2
+from fleet.proto.fronts import FrontRow
 
 SDC_KINDS = ingest.SDC_KINDS
 DROP_SOURCES = frozenset({"agent", "controller"})
@@ -308,15 +310,55 @@ class TelemetryMethods(StoreBase):
                                      at=r.at)
                     for r in s.scalars(stmt.order_by(IngestDrop.at, IngestDrop.id))]
 
+    # -- collective fronts (large jobs) ----------------------------------------------------
+
+    def record_fronts(self, rows: Sequence[FrontRow]) -> None:
+        """Write fronts (one per (job, attempt, rank, group); a stored front further on is
+        kept). One transaction."""
+        # the last row of a key wins within one call; PostgreSQL refuses a key twice
+        unique = {(r.job_id, r.attempt, r.rank, r.group): r for r in rows}
+        with self._tx(write=True) as s:
+            ingest.write_fronts(s, [
+                (r.job_id, r.attempt, r.rank, r.group, r.group_size, r.entered_seq, r.completed_seq,
+                 r.entered_ns, r.completed_ns, r.op, r.signature, r.step) for r in unique.values()])
+
+    def fronts(self, job_id: str, attempt: int, *, ranks: Sequence[int] | None = None,
+               groups: Sequence[str] | None = None, offset: int = 0,
+               limit: int | None = None) -> list[FrontRow]:
+        """The stored fronts of an attempt, ordered by rank and group (``entered``, the
+        per-report count, is not stored: 0). ``offset``/``limit`` page through them."""
+        c = CollectiveFront.__table__.c
+        stmt = select(CollectiveFront.__table__).where(c.job_id == job_id, c.attempt == attempt)
+        if ranks is not None:
+            stmt = stmt.where(c.rank.in_(list(ranks)))
+        if groups is not None:
+            stmt = stmt.where(c.group_name.in_(list(groups)))
+        stmt = stmt.order_by(c.rank, c.group_name).offset(offset)
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        with self._tx(write=False) as s:
+            return [FrontRow(r.job_id, r.attempt, r.rank, r.group_name, r.group_size, r.entered_seq,
+                             r.completed_seq, r.entered_ns, r.completed_ns, r.op, r.signature, r.step, 0)
+                    for r in s.execute(stmt)]
+
+    def count_fronts(self, job_id: str, attempt: int) -> int:
+        """How many fronts an attempt has stored (0: it sent every collective instead)."""
+        c = CollectiveFront.__table__.c
+        with self._tx(write=False) as s:
+            return s.scalar(select(func.count()).select_from(CollectiveFront.__table__)
+                            .where(c.job_id == job_id, c.attempt == attempt))
+
     # -- live diagnosis -------------------------------------------------------------------
 
     #: Most process groups ``recent_collectives`` reads of one attempt.
     RECENT_GROUPS_MAX = 4096
 
-    def recent_collectives(self, job_id: str, attempt: int, per_group: int) -> list[CollectiveRecord]:
-        """The newest collectives of an attempt, for a live diagnosis: in every group,
-        those within ``per_group`` sequence numbers of the group's highest, plus the last
-        one of each declared member that is further behind. Ordered by rank, group, seq.
+    def recent_collectives(self, job_id: str, attempt: int, per_group: int,
+                           groups: Sequence[str] | None = None) -> list[CollectiveRecord]:
+        """The newest collectives of an attempt, for a live diagnosis: in every group (or
+        only ``groups``), those within ``per_group`` sequence numbers of the group's
+        highest, plus the last one of each declared member that is further behind.
+        Ordered by rank, group, seq.
 
         Index lookups only: a few per group and per lagging member, and ``per_group``
         rows per group and member, however many collectives the attempt has stored."""
@@ -324,20 +366,28 @@ class TelemetryMethods(StoreBase):
         c = t.c
         base = (c.job_id == job_id, c.attempt == attempt)
         with self._tx(write=False) as s:
-            groups: list[str] = []
-            while len(groups) < self.RECENT_GROUPS_MAX:  # a skip scan over the group index
+            only = groups
+            groups = []
+            while only is None and len(groups) < self.RECENT_GROUPS_MAX:  # a skip scan over the group index
                 stmt = select(func.min(c.group_name)).where(*base)
                 name = s.scalar(stmt.where(c.group_name > groups[-1]) if groups else stmt)
                 if name is None:
                     break
                 groups.append(name)
+            if only is not None:
+                groups = sorted(set(only))
             members: dict[str, set[int]] = {}
-            for g in s.scalars(select(ProcessGroupRow).where(ProcessGroupRow.job_id == job_id,
-                                                             ProcessGroupRow.attempt == attempt)):
+            declared = select(ProcessGroupRow).where(ProcessGroupRow.job_id == job_id,
+                                                     ProcessGroupRow.attempt == attempt)
+            if only is not None:
+                declared = declared.where(ProcessGroupRow.group_name.in_(groups))
+            for g in s.scalars(declared):
                 members.setdefault(g.group_name, set()).update(json.loads(g.ranks))
             rows = []
             for g in groups:
                 top = s.scalar(select(func.max(c.seq)).where(*base, c.group_name == g))
+                if top is None:
+                    continue
                 window = s.execute(select(t).where(*base, c.group_name == g,
                                                    c.seq > top - per_group)).all()
                 rows += window

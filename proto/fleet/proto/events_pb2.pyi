@@ -296,8 +296,40 @@ class SdcCheckEvent(_message.Message):
     time_ns: int
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., node: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[str] = ..., value: _Optional[str] = ..., expected: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ..., time_ns: _Optional[int] = ...) -> None: ...
 
+class CollectiveFronts(_message.Message):
+    __slots__ = ("strings", "job_id", "attempt", "rank", "group", "group_size", "entered_seq", "completed_seq", "entered_ns", "completed_ns", "op", "signature", "step", "entered")
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENTERED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ENTERED_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_NS_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ENTERED_FIELD_NUMBER: _ClassVar[int]
+    strings: _containers.RepeatedScalarFieldContainer[str]
+    job_id: _containers.RepeatedScalarFieldContainer[int]
+    attempt: _containers.RepeatedScalarFieldContainer[int]
+    rank: _containers.RepeatedScalarFieldContainer[int]
+    group: _containers.RepeatedScalarFieldContainer[int]
+    group_size: _containers.RepeatedScalarFieldContainer[int]
+    entered_seq: _containers.RepeatedScalarFieldContainer[int]
+    completed_seq: _containers.RepeatedScalarFieldContainer[int]
+    entered_ns: _containers.RepeatedScalarFieldContainer[int]
+    completed_ns: _containers.RepeatedScalarFieldContainer[int]
+    op: _containers.RepeatedScalarFieldContainer[int]
+    signature: _containers.RepeatedScalarFieldContainer[int]
+    step: _containers.RepeatedScalarFieldContainer[int]
+    entered: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, strings: _Optional[_Iterable[str]] = ..., job_id: _Optional[_Iterable[int]] = ..., attempt: _Optional[_Iterable[int]] = ..., rank: _Optional[_Iterable[int]] = ..., group: _Optional[_Iterable[int]] = ..., group_size: _Optional[_Iterable[int]] = ..., entered_seq: _Optional[_Iterable[int]] = ..., completed_seq: _Optional[_Iterable[int]] = ..., entered_ns: _Optional[_Iterable[int]] = ..., completed_ns: _Optional[_Iterable[int]] = ..., op: _Optional[_Iterable[int]] = ..., signature: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., entered: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Event(_message.Message):
-    __slots__ = ("collective", "step", "status", "checkpoint", "group", "collectives", "sdc")
+    __slots__ = ("collective", "step", "status", "checkpoint", "group", "collectives", "sdc", "fronts")
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +337,7 @@ class Event(_message.Message):
     GROUP_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     SDC_FIELD_NUMBER: _ClassVar[int]
+    FRONTS_FIELD_NUMBER: _ClassVar[int]
     collective: CollectiveEvent
     step: StepEvent
     status: WorkerStatus
@@ -312,7 +345,8 @@ class Event(_message.Message):
     group: ProcessGroupInfo
     collectives: CollectiveColumns
     sdc: SdcCheckEvent
-    def __init__(self, collective: _Optional[_Union[CollectiveEvent, _Mapping]] = ..., step: _Optional[_Union[StepEvent, _Mapping]] = ..., status: _Optional[_Union[WorkerStatus, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointEvent, _Mapping]] = ..., group: _Optional[_Union[ProcessGroupInfo, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., sdc: _Optional[_Union[SdcCheckEvent, _Mapping]] = ...) -> None: ...
+    fronts: CollectiveFronts
+    def __init__(self, collective: _Optional[_Union[CollectiveEvent, _Mapping]] = ..., step: _Optional[_Union[StepEvent, _Mapping]] = ..., status: _Optional[_Union[WorkerStatus, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointEvent, _Mapping]] = ..., group: _Optional[_Union[ProcessGroupInfo, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., sdc: _Optional[_Union[SdcCheckEvent, _Mapping]] = ..., fronts: _Optional[_Union[CollectiveFronts, _Mapping]] = ...) -> None: ...
 
 class FaultSpec(_message.Message):
     __slots__ = ("kind", "at_step", "duration_s", "after_s", "delay_s", "target", "bit", "value_error", "persistent")
@@ -336,8 +370,22 @@ class FaultSpec(_message.Message):
     persistent: bool
     def __init__(self, kind: _Optional[_Union[FaultKind, str]] = ..., at_step: _Optional[int] = ..., duration_s: _Optional[float] = ..., after_s: _Optional[float] = ..., delay_s: _Optional[float] = ..., target: _Optional[str] = ..., bit: _Optional[int] = ..., value_error: _Optional[float] = ..., persistent: _Optional[bool] = ...) -> None: ...
 
+class TracePull(_message.Message):
+    __slots__ = ("job_id", "attempt", "ranks", "groups", "last")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    last: int
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., groups: _Optional[_Iterable[str]] = ..., last: _Optional[int] = ...) -> None: ...
+
 class Command(_message.Message):
-    __slots__ = ("command_id", "job_id", "attempt", "rank", "fault", "stop", "health_check")
+    __slots__ = ("command_id", "job_id", "attempt", "rank", "fault", "stop", "health_check", "pull")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +393,7 @@ class Command(_message.Message):
     FAULT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     HEALTH_CHECK_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     job_id: str
     attempt: int
@@ -352,4 +401,5 @@ class Command(_message.Message):
     fault: FaultSpec
     stop: bool
     health_check: bool
-    def __init__(self, command_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., fault: _Optional[_Union[FaultSpec, _Mapping]] = ..., stop: _Optional[bool] = ..., health_check: _Optional[bool] = ...) -> None: ...
+    pull: TracePull
+    def __init__(self, command_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., fault: _Optional[_Union[FaultSpec, _Mapping]] = ..., stop: _Optional[bool] = ..., health_check: _Optional[bool] = ..., pull: _Optional[_Union[TracePull, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,84 @@
+"""Collective fronts on the wire (``CollectiveFronts``); hand-written, not generated: the
+codec of one message of the contract, shared by agents, the controller and the scale
+benchmark's synthetic agents.
+
+A large job's agents do not send every collective: per (rank, group) they send where the
+rank stands (its front: the newest sequence number entered and completed, when, and the
+signature of the op entered), and keep the raw entries in a ring for a ``TracePull``.
+``signature`` is how a desync shows in a front: ranks at the same sequence number of one
+group that entered different ops (or sizes, or dtypes) have different signatures.
+
+``FrontRow`` is one row; ``pack`` and ``unpack`` convert rows to and from a block.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from fleet.proto import events_pb2
+
+#: Columns of a block, in ``FrontRow`` order (``strings`` aside).
+COLUMNS = ("job_id", "attempt", "rank", "group", "group_size", "entered_seq", "completed_seq",
+           "entered_ns", "completed_ns", "op", "signature", "step", "entered")
+#: Columns whose values are indexes into ``strings``.
+STRING_COLUMNS = ("job_id", "group", "op")
+
+
+class FrontRow(NamedTuple):
+    """Where one rank stands in one process group."""
+
+    job_id: str
+    attempt: int
+    rank: int
+    group: str
+    group_size: int
+    entered_seq: int     # newest seq entered (0: none yet)
+    completed_seq: int   # newest seq completed
+    entered_ns: int      # when entered_seq was entered
+    completed_ns: int    # when completed_seq completed (0: none yet)
+    op: str              # op of entered_seq ("" before any)
+    signature: int       # ``signature(...)`` of entered_seq
+    step: int            # training step of entered_seq
+    entered: int         # ops entered since the previous row of this (rank, group)
+
+    @property
+    def open(self) -> bool:
+        """True while the rank waits in a collective it entered (entered, not completed)."""
+        return self.entered_seq > self.completed_seq
+
+
+def signature(op: str, input_sizes: str, input_dtypes: str, output_sizes: str, output_dtypes: str) -> int:
+    """A 32-bit digest of one op as ranks must agree on it: its canonical name and the JSON
+    text of its sizes and dtypes (as ``fleet.proto.columns`` writes them)."""
+    return zlib.crc32(f"{op}|{input_sizes}|{input_dtypes}|{output_sizes}|{output_dtypes}".encode())
+
+
+def pack(rows: Iterable[FrontRow]) -> events_pb2.CollectiveFronts:
+    """One block holding ``rows``."""
+    strings: dict[str, int] = {}
+    block = events_pb2.CollectiveFronts()
+    cols: dict[str, list] = {c: [] for c in COLUMNS}
+    for row in rows:
+        for name, value in zip(COLUMNS, row):
+            if name in STRING_COLUMNS:
+                i = strings.get(value)
+                if i is None:
+                    i = strings[value] = len(strings)
+                value = i
+            cols[name].append(value)
+    block.strings.extend(strings)
+    for name, values in cols.items():
+        getattr(block, name).extend(values)
+    return block
+
+
+def unpack(block: events_pb2.CollectiveFronts) -> list[FrontRow]:
+    """The rows of ``block`` (no validation: the controller's ingest validates)."""
+    strings = list(block.strings)
+    columns = []
+    for name in COLUMNS:
+        values = getattr(block, name)
+        columns.append([strings[i] for i in values] if name in STRING_COLUMNS else list(values))
+    return [FrontRow(*values) for values in zip(*columns)]
