@@ -2,7 +2,7 @@
 
 ``AgentSettings`` holds everything a ``NodeAgent`` and its ``Uplink`` are tuned by
 (batching, buffering and spilling, heartbeats, the largest message the controller
-takes). It travels as
+takes, and whether a large job's collectives travel as fronts). It travels as
 one frozen object from the controller (``ClusterConfig.agent_settings()``) through
 ``AgentSet.start``, the agent's Ray actor and ``NodeAgent`` to the ``Uplink``; none
 of them restates a default.
@@ -12,7 +12,8 @@ cluster.yaml does not copy these fields: its ``agent:`` section embeds
 which ``WorkerSpec`` owns), and ``controller.heartbeat_interval_s`` /
 ``controller.max_message_bytes`` the two link fields (``controlplane/config.py``), so
 the keys, defaults, bounds and descriptions exist only here. ``GEMM_FIELDS`` (the node's
-known-answer GEMM test) belong in cluster.yaml's ``sdc:`` section.
+known-answer GEMM test) belong in cluster.yaml's ``sdc:`` section; ``JOB_FIELDS`` are
+derived by the controller for each job (``ClusterConfig.agent_settings()``).
 
 Invariant checked at construction: ``batch_max_bytes <= memory_max_bytes``.
 This module is not part of the agent's runtime: it imports neither grpc nor the uplink,
@@ -28,11 +29,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 #: Fields that cluster.yaml's ``agent:`` section embeds, in the reference's order.
 AGENT_SECTION_FIELDS = (
     "batch_max_events", "batch_max_bytes", "batch_interval_s", "memory_max_bytes",
-    "spill_max_bytes", "spill_dir",
+    "spill_max_bytes", "spill_dir", "ring_entries",
 )
 #: Fields that cluster.yaml keeps in its ``controller:`` section (the controller sets them
 #: for every agent it starts).
 LINK_FIELDS = ("heartbeat_interval_s", "max_message_bytes")
+#: Fields the controller derives for each job rather than reading them from cluster.yaml
+#: (``collective_fronts``: from ``agent.raw_ingest_max_ranks`` and the job's size).
+JOB_FIELDS = ("collective_fronts",)
 #: Fields of the node's known-answer GEMM test (``agent.gemm_check``), cluster.yaml's ``sdc:``.
 GEMM_FIELDS = ("gemm_size", "gemm_interval_s")
 
@@ -83,6 +87,17 @@ class AgentSettings(BaseModel):
         description="Largest gRPC message the controller accepts, bytes. Must exceed "
         "agent.batch_max_bytes by 64 KiB; a single event larger than this minus 64 KiB is "
         "dropped by its agent (and reported).",
+    )
+
+    collective_fronts: bool = Field(
+        False, description="Send collective fronts (per rank and group: the newest op entered and completed) "
+        "instead of every collective, keeping the raw entries on the agent for the controller to pull. The "
+        "controller sets it for jobs larger than agent.raw_ingest_max_ranks.",
+    )
+    ring_entries: int = Field(
+        1024, ge=1, le=1 << 20,
+        description="Raw collective entries an agent keeps per rank and process group for a job that sends "
+        "fronts (the most one trace pull can return).",
     )
 
     gemm_size: int = Field(

@@ -203,7 +203,15 @@ class AgentConfig(create_model(
 
     The batching and buffering fields are ``fleet.agent.settings.AgentSettings``'s (the
     agent owns them; ``ClusterConfig.agent_settings()`` is the object agents are started
-    with), the two reporting intervals ``fleet.workers.spec.WorkerSpec``'s."""
+    with), the two reporting intervals ``fleet.workers.spec.WorkerSpec``'s.
+    ``raw_ingest_max_ranks`` is the controller's: it decides ``AgentSettings.collective_fronts``."""
+
+    raw_ingest_max_ranks: int = Field(
+        512, ge=1, le=1 << 20,
+        description="A job with more ranks than this (job.nodes x job.ranks_per_node) sends collective fronts "
+        "instead of every collective: agents keep the raw entries (agent.ring_entries per rank and group) and "
+        "send them when the controller suspects a hang or desync, so `fleet replay` shows those around it.",
+    )
 
     @model_validator(mode="after")
     def _batch_fits_memory(self) -> AgentConfig:
@@ -646,8 +654,9 @@ class ClusterConfig(_Section):
 
     def agent_settings(self) -> AgentSettings:
         """The one object every node agent is started with: the ``agent`` section, its spill
-        folder resolved, the controller's heartbeat interval and message limit, and the
-        known-answer GEMM test's size and interval (``sdc``)."""
+        folder resolved, the controller's heartbeat interval and message limit, the
+        known-answer GEMM test's size and interval (``sdc``), and ``collective_fronts`` for a
+        job of more than ``agent.raw_ingest_max_ranks`` ranks."""
         c = self.controller
         return AgentSettings(**{
             **self.agent.model_dump(include=set(AGENT_SECTION_FIELDS)),
@@ -655,6 +664,7 @@ class ClusterConfig(_Section):
             "spill_dir": str(self.agent_spill_dir()),
             "heartbeat_interval_s": c.heartbeat_interval_s,
             "max_message_bytes": c.max_message_bytes,
+            "collective_fronts": self.job.world_size > self.agent.raw_ingest_max_ranks,
         })
 
 
