@@ -130,7 +130,7 @@ class Controller:
         # a program's ranks do not raise on a NaN loss as the built-in trainer's do: the
         # loss they report through fleet.step is judged instead
         watchdog = Watchdog(self.store, self.job_id, cfg.detect, self._incidents.put,
-                            nan_from_steps=cfg.job.user_program is not None)
+                            nan_from_steps=cfg.job.user_program is not None, send=self._registry.send)
         supervisor = AgentSupervisor(self.store, self.job_id, self._registry, agents,
                                      SupervisionConfig(cfg.controller.heartbeat_timeout_s))
         runner = AttemptRunner(

@@ -55,6 +55,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -63,6 +64,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from fleet.controlplane import detectors
 from fleet.controlplane.config import ControllerConfig, DetectConfig
 from fleet.controlplane.detectors import Incident
@@ -70,6 +73,8 @@ from fleet.controlplane.sdc import SdcVerdict
 from fleet.controlplane.diagnosis import Diagnosis, DiagnosisConfig, diagnose, recent_traces
 from fleet.controlplane.store import CollectiveRow, Store
 from fleet.controlplane.store.ingest import PreparedBatch
+from fleet.controlplane.wavefront import FrontVerdict, Wavefronts
+from fleet.proto import events_pb2
 from fleet.proto.flight_record import P2P_SUFFIX
 from fleet.proto.kinds import IncidentKind
 
@@ -103,6 +108,12 @@ WARMUP_GAPS_PER_RANK = 4
 #: (group, seq) entries kept per step for the straggler check: without the step API every
 #: collective is "step 0", a step that never ends; the oldest are dropped beyond this.
 ARRIVALS_PER_STEP = 4096
+
+#: Raw entries per (rank, group) a large job's agents are asked for (``TracePull``) when
+#: the fronts show a suspect: the window the diagnosis reads and ``fleet replay`` shows.
+PULL_ENTRIES = 32
+#: How long the watchdog waits for pulled entries before it decides on the fronts alone.
+PULL_WAIT_S = 2.0
 
 #: How long a flight-recorder verdict must hold, unchanged, before a hang is declared on it.
 VERDICT_STABLE_S = 0.5
@@ -171,6 +182,9 @@ class _Watched:
     verdict_since: float = 0.0                # monotonic: since when it has stayed the same
     sdc_read_at: float = math.inf             # monotonic: read the store's SDC rows then
     sdc_next_poll: float = 0.0                # monotonic: ... and at the latest then
+    fronts: Wavefronts | None = None          # a large job's collective fronts (None: raw collectives)
+    pull_key: tuple = ()                      # (verdict, culprits, groups) whose raw entries were asked for
+    pull_sent: float = 0.0                    # monotonic: when
 
 
 class Watchdog:
@@ -183,12 +197,16 @@ class Watchdog:
     ``agent_timeout_s``: silence after which an agent is lost (controller.heartbeat_timeout_s).
     ``nan_from_steps``: a reported step whose loss is not finite is a nan incident (for
     user programs, which do not raise on one as the built-in trainer does).
+    ``send(node, command)``: how a command reaches a node's agent (``AgentRegistry.send``);
+    a large job's diagnosis asks the agents for raw entries through it (None: it decides
+    on the fronts alone).
     """
 
     def __init__(self, store: Store, job_id: str, cfg: DetectConfig, on_incident: Callable[[Incident], None],
                  silent_for: Callable[[], dict[str, float]] | None = None, *,
                  agent_timeout_s: float = ControllerConfig.model_fields["heartbeat_timeout_s"].default,
-                 nan_from_steps: bool = False) -> None:
+                 nan_from_steps: bool = False,
+                 send: Callable[[str, events_pb2.Command], None] | None = None) -> None:
         self._store = store
         self._job_id = job_id
         self._cfg = cfg
@@ -196,6 +214,7 @@ class Watchdog:
         self._silent_for = silent_for
         self._agent_timeout_s = agent_timeout_s
         self._nan_from_steps = nan_from_steps
+        self._send = send
         self._inbox: deque[tuple[int, PreparedBatch]] = deque(maxlen=INBOX_MAX)
         self._lock = threading.RLock()        # the watched state
         self._fire_lock = threading.RLock()   # held while firing; pause() takes it
@@ -257,7 +276,7 @@ class Watchdog:
         while paused, stopped or not started."""
         if self._paused or self._thread is None or self._stop.is_set():
             return
-        if batch.steps or batch.collectives or batch.statuses or batch.sdc:
+        if batch.steps or batch.collectives or batch.statuses or batch.sdc or batch.fronts or batch.groups:
             self._inbox.append((time.time_ns(), batch))
 
     # -- the thread -----------------------------------------------------------------------
@@ -282,6 +301,7 @@ class Watchdog:
                 return
             for arrival_ns, batch in batches:
                 found += self._ingest(w, arrival_ns, batch)
+            self._fronts(w, batches)
             if self._paused:
                 return
             found += self._agents(w, now)
@@ -363,6 +383,31 @@ class Watchdog:
         if oldest_new is not None:
             w.lags.append(max(0.0, (arrival_ns - oldest_new) / 1e9))
         return found
+
+    def _fronts(self, w: _Watched, batches: list[tuple[int, PreparedBatch]]) -> None:
+        """Fold the batches' fronts and group declarations into ``w.fronts``, in one
+        update; each batch's telemetry lag is measured as for collectives."""
+        job, number = self._job_id, w.number
+        blocks = []
+        for arrival_ns, batch in batches:
+            for g in batch.groups.values():
+                if g["job_id"] == job and g["attempt"] == number and not (w.fronts and w.fronts.declared(g["group_name"])):
+                    if w.fronts is None:
+                        w.fronts = Wavefronts(job, number)
+                    w.fronts.declare(g["group_name"], json.loads(g["ranks"]))
+            oldest = None
+            for block in batch.fronts:
+                if len(block.entered_ns):
+                    newest = np.maximum(np.asarray(block.entered_ns), np.asarray(block.completed_ns))
+                    oldest = int(newest.min()) if oldest is None else min(oldest, int(newest.min()))
+                    blocks.append(block)
+            if oldest is not None:
+                w.lags.append(max(0.0, (arrival_ns - oldest) / 1e9))
+        if blocks:
+            if w.fronts is None:
+                w.fronts = Wavefronts(job, number)
+            if w.fronts.apply(blocks):
+                w.coll_progress_ns = max(w.coll_progress_ns, w.fronts.newest_ns())
 
     def _collectives(self, w: _Watched, rows: Iterable[CollectiveRow]) -> tuple[int | None, int | None]:
         """Fold collective rows into ``w``. Returns the oldest start among "started" rows
@@ -564,12 +609,63 @@ class Watchdog:
     def _diagnose(self, attempt: int, settle_s: float, horizon_ns: int) -> Diagnosis | None:
         """The flight recorder's verdict over the newest collectives, as of ``horizon_ns``,
         counting only waits older than ``settle_s``; None if the store cannot say."""
+        w = self._watched
+        if w is not None and w.number == attempt and w.fronts is not None and w.fronts.rows_applied:
+            return self._diagnose_fronts(w, settle_s, horizon_ns)
         try:
             traces = recent_traces(self._store, self._job_id, attempt, DIAGNOSIS_SEQS)
             return diagnose(traces, DiagnosisConfig(settle_s=settle_s), now_ns=horizon_ns)
         except Exception:  # noqa: BLE001 - no verdict is a verdict (unconfirmed path)
             log.exception("live diagnosis of attempt %d failed", attempt)
             return None
+
+    def _diagnose_fronts(self, w: _Watched, settle_s: float, horizon_ns: int) -> Diagnosis | None:
+        """A large job: the fronts name the suspect and its groups; their members' raw
+        entries are pulled from the agents (once per suspect) and diagnosed by the flight
+        recorder. Until they are in the store (at most ``PULL_WAIT_S``): no verdict; then,
+        if they never came, the fronts' own."""
+        with self._lock:
+            front = w.fronts.verdict(horizon_ns, settle_s) if w.fronts is not None else None
+        if front is None:
+            return None
+        now = time.monotonic()
+        key = (front.verdict, tuple(front.culprits), tuple(front.groups))
+        if key != w.pull_key:
+            w.pull_key, w.pull_sent = key, now
+            self._pull(w, front)
+        try:
+            traces = recent_traces(self._store, self._job_id, w.number, PULL_ENTRIES, groups=front.groups)
+        except Exception:  # noqa: BLE001 - the fronts still say something
+            log.exception("reading the pulled entries of attempt %d failed", w.number)
+            traces = None
+        members = {r for ranks in front.members.values() for r in ranks}
+        pulled = traces is not None and members <= {r for r, t in traces.ranks.items() if t.entries}
+        if pulled:
+            d = diagnose(traces, DiagnosisConfig(settle_s=settle_s), now_ns=horizon_ns)
+            if d.verdict in ("hang", "mismatch") and d.culprit_ranks:
+                return d
+        if pulled or now - w.pull_sent >= PULL_WAIT_S:
+            return _front_diagnosis(front, w.number)
+        return None
+
+    def _pull(self, w: _Watched, front: FrontVerdict) -> None:
+        """Ask the agents of the suspect groups' members for their newest raw entries."""
+        if self._send is None:
+            return
+        by_node: dict[str, list[int]] = {}
+        for rank in sorted({r for ranks in front.members.values() for r in ranks}):
+            if 0 <= rank < len(w.nodes):
+                by_node.setdefault(w.nodes[rank], []).append(rank)
+        log.info("attempt %d: %s suspected (%s); pulling the raw entries of %d rank(s) on %d node(s)",
+                 w.number, front.verdict, front.summary, sum(map(len, by_node.values())), len(by_node))
+        for node, ranks in by_node.items():
+            pull = events_pb2.TracePull(job_id=self._job_id, attempt=w.number, ranks=ranks,
+                                        groups=front.groups, last=PULL_ENTRIES)
+            try:
+                self._send(node, events_pb2.Command(command_id=f"pull-{w.number}-{node}", job_id=self._job_id,
+                                                    attempt=w.number, rank=-1, pull=pull))
+            except Exception as exc:  # noqa: BLE001 - an unreachable agent: decide without it
+                log.warning("could not ask node %s for raw entries: %s", node, exc)
 
     def _job_total_steps(self) -> int | None:
         if self._total_steps is None:
@@ -578,3 +674,10 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - asked again next check
                 log.debug("could not read the job's total steps", exc_info=True)
         return self._total_steps
+
+
+def _front_diagnosis(front: FrontVerdict, attempt: int) -> Diagnosis:
+    """The fronts' verdict as a diagnosis (no raw entries behind it)."""
+    return Diagnosis(source="fronts", attempt=attempt, verdict=front.verdict, culprit_ranks=list(front.culprits),
+                     findings=[], ranks=[], missing_ranks=[], groups=[], wavefront=[],
+                     summary=f"{front.summary} (from the agents' collective fronts)")

@@ -29,6 +29,9 @@ Row invariants:
   verification) clears ``valid`` of an existing row and records why as a
   ``ckpt_invalid`` action; the manifest on disk is the truth, the row follows it.
 - A RESTORED worker status sets the attempt's ``restored_step``.
+- Fronts (``CollectiveFronts``, a large job's summary of its collectives) are validated
+  here but not written with their batch: ``IngestWriter`` keeps the newest front of every
+  (job, attempt, rank, group) and writes them to ``collective_fronts`` every few seconds.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ from fleet.controlplane.store.schema import (
     metadata,
 )
 from fleet.controlplane.store.records import CKPT_INVALID, CollectiveRow, StatusRow, StepRow
-from fleet.proto import columns, events_pb2
+from fleet.proto import columns, events_pb2, fronts
+from fleet.proto.fronts import FrontRow
 from fleet.proto.vocab import canonical_op
 
 _STATUS_NAMES = events_pb2.WorkerStatus.State
@@ -101,6 +105,9 @@ class PreparedBatch:
     groups: dict[tuple, dict[str, Any]] = field(default_factory=dict)
     sdc: list[dict[str, Any]] = field(default_factory=list)
     restored: list[tuple[str, int, int]] = field(default_factory=list)
+    #: validated ``CollectiveFronts`` blocks (a large job's collectives, summarised): not
+    #: written per batch; the writer keeps the newest per key and persists them periodically
+    fronts: list[events_pb2.CollectiveFronts] = field(default_factory=list)
 
     # Typed views for readers outside the store package (the watchdog), so that no one
     # there indexes these rows by position or by column name.
@@ -114,6 +121,11 @@ class PreparedBatch:
     def collective_rows(self) -> Iterator[CollectiveRow]:
         """The batch's collectives, in batch order."""
         return map(CollectiveRow._make, self.collectives)
+
+    def front_rows(self) -> Iterator[FrontRow]:
+        """The batch's fronts, block by block."""
+        for block in self.fronts:
+            yield from fronts.unpack(block)
 
     def status_rows(self) -> Iterator[StatusRow]:
         """The batch's worker statuses."""
@@ -201,6 +213,30 @@ def _column_rows(block: events_pb2.CollectiveColumns) -> list[tuple]:
         block.enter_ns, [x or None for x in block.exit_ns], map(get, block.state),
         block.exit_estimated, block.step,
     ))
+
+
+def _check_fronts(block: events_pb2.CollectiveFronts) -> None:
+    """Validate a fronts block (column lengths, string indexes and lengths, seq order)."""
+    n = len(block.job_id)
+    for name in fronts.COLUMNS:
+        if len(getattr(block, name)) != n:
+            raise InvalidBatch(f"fronts.{name} has {len(getattr(block, name))} values, fronts.job_id has {n}")
+    if n == 0:
+        return
+    strings = block.strings
+    for name, limit in (("job_id", JOB_ID_LEN), ("group", NAME_LEN), ("op", OP_LEN)):
+        used = set(getattr(block, name))
+        if max(used) >= len(strings):
+            raise InvalidBatch(f"fronts.{name}: index {max(used)} outside strings ({len(strings)} entries)")
+        longest = max((strings[i] for i in used), key=len)
+        if len(longest) > limit:
+            raise InvalidBatch(f"fronts.{name}: {longest[:80]!r} is longer than {limit} characters")
+        if name == "job_id" and "" in {strings[i] for i in used}:
+            raise InvalidBatch("fronts.job_id: empty string")
+    if min(block.entered_seq) < 0 or min(block.completed_seq) < 0:
+        raise InvalidBatch("fronts: a negative seq")
+    if any(c > e for c, e in zip(block.completed_seq, block.entered_seq)):
+        raise InvalidBatch("fronts: completed_seq above entered_seq")
 
 
 _STAGE = "fleet_stage_collectives"
@@ -336,10 +372,14 @@ def _step_row(ev: events_pb2.StepEvent) -> dict[str, Any]:
 
 
 def count_events(events: Sequence[events_pb2.Event]) -> int:
-    """Events in a batch as the store counts them: a ``CollectiveColumns`` block counts
-    as its rows, any other event as one."""
-    return sum(len(e.collectives.job_id) if e.WhichOneof("kind") == "collectives" else 1
-               for e in events)
+    """Events in a batch as the store counts them: a ``CollectiveColumns`` or
+    ``CollectiveFronts`` block counts as its rows, any other event as one."""
+    n = 0
+    for e in events:
+        kind = e.WhichOneof("kind")
+        n += (len(e.collectives.job_id) if kind == "collectives" else
+              len(e.fronts.job_id) if kind == "fronts" else 1)
+    return n
 
 
 def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
@@ -356,6 +396,9 @@ def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
                 _add_singles(out, singles, i)
             if kind == "collectives":
                 out.collectives.extend(_column_rows(event.collectives))
+            elif kind == "fronts":
+                _check_fronts(event.fronts)
+                out.fronts.append(event.fronts)
             elif kind == "step":
                 out.steps.append(_step_row(event.step))
             elif kind == "status":

@@ -18,6 +18,10 @@ Invariants:
 - A batch the store refuses (a constraint or type error) is found by retrying the group
   one batch at a time, recorded in ``ingest_drops`` and acked as rejected: one bad batch
   never blocks the others.
+- Fronts of committed batches (a large job's per-(rank, group) progress) are kept, the
+  newest per key, and written every ``fronts_flush_s`` and at ``close``: the store's
+  fronts trail the live ones by at most that much. They are state, not events: a front
+  is superseded by the next, so writing only the newest loses nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ if TYPE_CHECKING:  # the controller passes its metrics in; the store never build
     from fleet.controlplane.metrics import ControllerMetrics
 
 log = logging.getLogger(__name__)
+
+#: Seconds between writes of the newest fronts to the store.
+FRONTS_FLUSH_S = 2.0
 
 
 class Stream(Protocol):
@@ -71,7 +78,8 @@ class IngestWriter:
 
     def __init__(self, store: Store, metrics: ControllerMetrics, *,
                  max_queued_events: int = 400_000, max_group_events: int = 50_000,
-                 on_commit: Callable[[list[Item]], None] | None = None) -> None:
+                 on_commit: Callable[[list[Item]], None] | None = None,
+                 fronts_flush_s: float = FRONTS_FLUSH_S) -> None:
         self._store = store
         self._metrics = metrics
         self._max_queued = max_queued_events
@@ -81,6 +89,9 @@ class IngestWriter:
         self._queue: collections.deque[Item] = collections.deque()
         self._health: list[HealthRecord] = []
         self._queued_events = 0
+        self._fronts: dict[tuple, tuple] = {}   # (job, attempt, rank, group) -> newest row, unwritten
+        self._fronts_flush_s = fronts_flush_s
+        self._fronts_due = time.monotonic() + fronts_flush_s
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="fleet-ingest-writer", daemon=True)
         self._thread.start()
@@ -126,7 +137,7 @@ class IngestWriter:
     def _take(self) -> tuple[list[Item], list[HealthRecord]]:
         with self._cond:
             while not self._queue and not self._health:
-                if self._closing:
+                if self._closing or (self._fronts and time.monotonic() >= self._fronts_due):
                     return [], []
                 self._cond.wait(0.5)
             group, events = [], 0
@@ -143,17 +154,41 @@ class IngestWriter:
     def _run(self) -> None:
         while True:
             group, health = self._take()
-            if not group and not health:
+            if not group and not health and self._closing:
+                self._flush_fronts()
                 return
             try:
                 if group:
                     self._commit(group)
-                self._store.record_health_samples(health)
+                if health:
+                    self._store.record_health_samples(health)
             except Exception:  # the writer must outlive anything one group does
                 log.exception("ingest writer: group of %d batches and %d health samples failed",
                               len(group), len(health))
                 for item in group:
                     item.stream.fail("the controller failed to store a batch")
+            if self._fronts and time.monotonic() >= self._fronts_due:
+                self._flush_fronts()
+
+    def _keep_fronts(self, items: list[Item]) -> None:
+        """The newest front per key of the fresh batches just committed."""
+        kept = self._fronts
+        for item in items:
+            for row in item.rows.front_rows():  # type: ignore[union-attr]
+                key = row[:4]
+                have = kept.get(key)
+                if have is None or (row.entered_seq, row.completed_seq) >= (have.entered_seq, have.completed_seq):
+                    kept[key] = row
+
+    def _flush_fronts(self) -> None:
+        rows, self._fronts = list(self._fronts.values()), {}
+        self._fronts_due = time.monotonic() + self._fronts_flush_s
+        if not rows:
+            return
+        try:
+            self._store.record_fronts(rows)
+        except Exception:  # noqa: BLE001 - fronts are state: the next ones replace these
+            log.exception("ingest writer: writing %d fronts failed (the next flush writes newer ones)", len(rows))
 
     def _commit(self, group: list[Item]) -> None:
         live = [i for i in group if not i.stream.failed]
@@ -178,6 +213,7 @@ class IngestWriter:
             fresh, storable[0].rejected, storable[0].rows = [], str(exc), None
         self._metrics.commit_s.observe(time.perf_counter() - started)
         by_item = dict(zip(map(id, storable), fresh))
+        self._keep_fronts([i for i in storable if by_item[id(i)] and i.rows.fronts])  # type: ignore[union-attr]
         for item in live:
             if item.rows is None:
                 self._reject(item)

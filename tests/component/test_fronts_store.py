@@ -1,0 +1,90 @@
+"""Fronts in the store: the ingest writer keeps the newest front per (job, attempt, rank,
+group) of committed batches and writes them every ``fronts_flush_s`` and at close; a
+stored front never moves back. Real SQLite file and PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from fleet.controlplane.metrics import ControllerMetrics
+from fleet.controlplane.store import Store
+from fleet.controlplane.store.ingest import InvalidBatch, prepare
+from fleet.controlplane.store.writer import IngestWriter, Item
+from fleet.proto import agent_pb2, events_pb2
+from fleet.proto.fronts import FrontRow, pack
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Stream:
+    """The writer's view of one agent stream: where acks go."""
+
+    agent_id: str = "agent-n0"
+    node_name: str = "n0"
+    failed: bool = False
+    acks: list[int] = field(default_factory=list)
+
+    def ack(self, msg: agent_pb2.ControllerMessage) -> None:
+        self.acks.append(msg.ack.seq)
+
+    def fail(self, reason: str) -> None:
+        self.failed = True
+
+
+def row(rank: int, entered: int, completed: int, group: str = "dp0") -> FrontRow:
+    return FrontRow("job-1", 1, rank, group, 4, entered, completed, entered * 10, completed * 10,
+                    "all_reduce", 7, entered, 1)
+
+
+def fronts_ev(rows: list[FrontRow]) -> events_pb2.Event:
+    return events_pb2.Event(fronts=pack(rows))
+
+
+def _wait(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_writer_keeps_the_newest_front_and_flushes_it(store: Store) -> None:
+    stream = Stream()
+    with IngestWriter(store, ControllerMetrics(), fronts_flush_s=0.2) as writer:
+        batches = [[row(r, 5, 5) for r in range(4)],
+                   [row(0, 6, 5), row(1, 6, 6)],
+                   [row(0, 4, 4)]]                     # late and older: changes nothing
+        for seq, rows in enumerate(batches, 1):
+            assert writer.put(Item(stream, 1, seq, prepare([fronts_ev(rows)]), len(rows)))
+        assert _wait(lambda: len(stream.acks) == 3, 10)
+        assert _wait(lambda: store.count_fronts("job-1", 1) == 4, 10)
+        assert _wait(lambda: [(f.rank, f.entered_seq, f.completed_seq) for f in store.fronts("job-1", 1)]
+                     == [(0, 6, 5), (1, 6, 6), (2, 5, 5), (3, 5, 5)], 10)
+        assert writer.put(Item(stream, 1, 4, prepare([fronts_ev([row(2, 9, 9)])]), 1))
+    # close() flushed what was still kept
+    assert [f.entered_seq for f in store.fronts("job-1", 1, ranks=[2])] == [9]
+    assert [f.rank for f in store.fronts("job-1", 1, offset=1, limit=2)] == [1, 2]
+
+
+def test_record_fronts_never_moves_a_front_back(store: Store) -> None:
+    store.record_fronts([row(0, 8, 7), row(1, 3, 3)])
+    store.record_fronts([row(0, 8, 6), row(0, 7, 7), row(1, 3, 3)._replace(step=99)])
+    got = {f.rank: (f.entered_seq, f.completed_seq, f.step) for f in store.fronts("job-1", 1)}
+    assert got == {0: (8, 7, 8), 1: (3, 3, 99)}  # as far on: the newer write wins
+
+
+@pytest.mark.parametrize("bad, field_name", [
+    (lambda b: b.entered_seq.append(3), "fronts.entered_seq"),
+    (lambda b: b.group.__setitem__(0, 9), "fronts.group"),
+    (lambda b: b.completed_seq.__setitem__(0, 99), "completed_seq above entered_seq"),
+])
+def test_a_malformed_fronts_block_is_refused_naming_the_field(bad, field_name: str) -> None:
+    block = pack([row(0, 5, 5)])
+    bad(block)
+    with pytest.raises(InvalidBatch, match=field_name):
+        prepare([events_pb2.Event(fronts=block)])

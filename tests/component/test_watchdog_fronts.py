@@ -1,0 +1,162 @@
+"""The watchdog on a large job's telemetry: collective fronts instead of collectives.
+
+Real store (SQLite and PostgreSQL), real protobuf events through ``ingest.prepare``, the
+same feed as tests/component/test_watchdog.py. The fronts name a suspect; the watchdog
+asks the suspect groups' agents for their raw entries (``TracePull`` through ``send``);
+the test answers as an agent would (the entries as CollectiveColumns in a batch) and
+the flight recorder's diagnosis of them names the culprit. Unanswered, the watchdog
+decides on the fronts alone once ``PULL_WAIT_S`` has passed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fleet.controlplane.detectors import Incident
+from fleet.controlplane.lifecycle import JobState
+from fleet.controlplane.store import Store
+from fleet.controlplane.store.ingest import prepare
+from fleet.controlplane.watchdog import PULL_WAIT_S, Watchdog
+from fleet.proto import columns, events_pb2
+from fleet.proto.fronts import FrontRow, pack, signature
+from fleet.proto.kinds import IncidentKind
+from tests.component.test_watchdog import CFG, NODES, WORLD, Incidents, group_ev, step_ev
+from tests.component.test_watchdog import Feed as _Feed
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZES, DTYPES = "[[64]]", '["float32"]'
+SIG = signature("all_reduce", SIZES, DTYPES, SIZES, DTYPES)
+ODD = signature("broadcast", SIZES, DTYPES, SIZES, DTYPES)
+
+
+@pytest.fixture
+def job(store: Store) -> str:
+    job_id = store.create_job("fronts-test", total_steps=10_000, config_json="{}")
+    store.set_job_state(job_id, JobState.PLACING, "placing")
+    assert store.create_attempt(job_id) == 1
+    for rank, node in enumerate(NODES):
+        store.record_rank(job_id, 1, rank, node, 1000 + rank)
+    return job_id
+
+
+def front_ev(job: str, rank: int, entered: int, completed: int, enter_ns: int, sig: int = SIG,
+             op: str = "all_reduce") -> events_pb2.Event:
+    return events_pb2.Event(fronts=pack([FrontRow(job, 1, rank, "0", len(NODES), entered, completed, enter_ns,
+                                                  enter_ns if completed == entered else 0, op, sig, entered, 1)]))
+
+
+class Feed(_Feed):
+    """test_watchdog's feed, for events whose rank is a column (one rank per block here)."""
+
+    def send(self, events: list[events_pb2.Event]) -> None:
+        by_node: dict[str, list[events_pb2.Event]] = {}
+        for ev in events:
+            rank = getattr(ev, ev.WhichOneof("kind")).rank
+            by_node.setdefault(NODES[rank if isinstance(rank, int) else rank[0]], []).append(ev)
+        for node, evs in by_node.items():
+            self._batch(node, evs)
+
+    def _batch(self, node: str, evs: list[events_pb2.Event]) -> None:
+        rows = prepare(evs)
+        self.watchdog.observe(node, rows)
+        self.seq += 1
+        self.store.record_batches([(f"agent-{node}", self.epoch, self.seq, rows)])
+
+
+class Agents:
+    """``send``: keeps the commands; ``pulls()`` waits for TracePulls."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.commands: list[tuple[str, events_pb2.Command]] = []
+
+    def __call__(self, node: str, command: events_pb2.Command) -> None:
+        with self.cond:
+            self.commands.append((node, command))
+            self.cond.notify_all()
+
+    def pulls(self, n: int, timeout_s: float) -> list[tuple[str, events_pb2.Command]]:
+        with self.cond:
+            self.cond.wait_for(lambda: sum(c.HasField("pull") for _, c in self.commands) >= n, timeout_s)
+            return [(node, c) for node, c in self.commands if c.HasField("pull")]
+
+
+def raw(job: str, rank: int, seq: int, enter_ns: int, done: bool, op: str = "all_reduce") -> events_pb2.Event:
+    c = events_pb2.CollectiveEvent(job_id=job, attempt=1, rank=rank, group="0", group_size=len(NODES), seq=seq,
+                                   op=op, enter_ns=enter_ns, exit_ns=enter_ns + 1000 if done else 0,
+                                   state="completed" if done else "started", step=seq)
+    c.input_sizes.add().dims.extend([64])
+    c.output_sizes.add().dims.extend([64])
+    c.input_dtypes.append("float32")
+    c.output_dtypes.append("float32")
+    return events_pb2.Event(collectives=columns.pack([c.__class__.FromString(c.SerializeToString())]))
+
+
+def _healthy(feed: Feed, job: str, steps: range) -> dict[int, int]:
+    """Healthy steps: every rank enters and completes seq = step; returns enter ns by seq."""
+    entered = {}
+    for step in steps:
+        t = entered[step] = time.time_ns()
+        feed.send([front_ev(job, r, step, step, t) for r in WORLD])
+        time.sleep(0.1)
+        feed.send([step_ev(job, r, step) for r in WORLD])
+    return entered
+
+
+def test_fronts_name_a_suspect_and_the_pulled_entries_confirm_it(store: Store, job: str) -> None:
+    incidents, agents = Incidents(), Agents()
+    with Watchdog(store, job, CFG, incidents, send=agents) as wd:
+        wd.watch(1, NODES)
+        feed = Feed(store, wd)
+        feed.send([group_ev(job, r) for r in WORLD])
+        entered = _healthy(feed, job, range(1, 7))
+        t7 = time.time_ns()
+        feed.send([front_ev(job, r, 7, 6, t7) for r in (0, 2, 3)])  # rank 1 never enters seq 7
+        pulls = agents.pulls(2, timeout_s=15)
+        assert {node for node, _ in pulls} == {"node-0", "node-1"}
+        for node, cmd in pulls:
+            assert list(cmd.pull.groups) == ["0"] and cmd.pull.job_id == job and cmd.pull.attempt == 1
+            assert sorted(cmd.pull.ranks) == [r for r in WORLD if NODES[r] == node]
+        assert incidents.kinds() == []  # it waits for the entries before it decides
+        # the agents answer with their rings: seqs 1..6 done everywhere, seq 7 open on 0, 2, 3
+        feed.send([raw(job, r, s, entered[s], True) for r in WORLD for s in range(1, 7)]
+                  + [raw(job, r, 7, t7, False) for r in (0, 2, 3)])
+        got = incidents.wait(1, timeout_s=15)
+    assert [(i.kind, i.rank, i.node) for i in got] == [(IncidentKind.HANG, 1, "node-0")]
+    assert "collective fronts" not in got[0].evidence  # the flight recorder's own verdict
+    assert "rank 1" in got[0].evidence
+
+
+def test_unanswered_pull_decides_on_the_fronts(store: Store, job: str) -> None:
+    incidents, agents = Incidents(), Agents()
+    with Watchdog(store, job, CFG, incidents, send=agents) as wd:
+        wd.watch(1, NODES)
+        feed = Feed(store, wd)
+        feed.send([group_ev(job, r) for r in WORLD])
+        _healthy(feed, job, range(1, 5))
+        feed.send([front_ev(job, r, 5, 4, time.time_ns()) for r in (0, 1, 3)])  # rank 2 stops
+        assert agents.pulls(2, timeout_s=15)
+        asked = time.monotonic()
+        got = incidents.wait(1, timeout_s=15)
+    assert time.monotonic() - asked >= PULL_WAIT_S - 0.5
+    assert [(i.kind, i.rank, i.node) for i in got] == [(IncidentKind.HANG, 2, "node-1")]
+    assert "collective fronts" in got[0].evidence and "never entered all_reduce seq 5" in got[0].evidence
+
+
+def test_a_rank_entering_another_op_is_a_desync(store: Store, job: str) -> None:
+    incidents = Incidents()
+    with Watchdog(store, job, CFG, incidents) as wd:  # no send: the fronts decide
+        wd.watch(1, NODES)
+        feed = Feed(store, wd)
+        feed.send([group_ev(job, r) for r in WORLD])
+        _healthy(feed, job, range(1, 5))
+        t = time.time_ns()
+        feed.send([front_ev(job, r, 5, 4, t) for r in (0, 1, 2)]
+                  + [front_ev(job, 3, 5, 4, t, sig=ODD, op="broadcast")])
+        got = incidents.wait(1, timeout_s=20)
+    assert [(i.kind, i.rank, i.node) for i in got] == [(IncidentKind.DESYNC, 3, "node-1")]
+    assert "rank 3 entered broadcast" in got[0].evidence
