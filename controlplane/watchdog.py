@@ -40,6 +40,15 @@ completion) trailed its arrival. A hang starting at T is thus reported at about
 T + threshold + lag + one interval, plus ``VERDICT_STABLE_S`` (rounded up to whole
 intervals) for the flight recorder's verdict to hold.
 
+A large job (its agents send collective fronts, not collectives): the fronts are folded
+into ``controlplane.wavefront.Wavefronts``; while a hang is suspected, its verdict names
+the suspects and their groups, the agents of those groups' members are asked for their
+newest ``PULL_ENTRIES`` raw entries (a ``TracePull`` through ``send``), and once every
+member's entries are stored the flight recorder diagnoses those groups. Entries that do
+not come within ``PULL_WAIT_S`` leave the decision to the fronts' own verdict. The
+straggler check and the collective-cadence hang threshold of jobs without steps need raw
+collectives: a large job is judged by its steps (or the start-up timeout) instead.
+
 Invariants:
   * ``on_incident`` runs on the watchdog thread, at most once per incident: one hang (or
     desync, or startup hang) per watched attempt, one straggler per (attempt, rank), one
@@ -567,11 +576,14 @@ class Watchdog:
         verdict, culprits, summary = (d.verdict, d.culprit_ranks, d.summary) if d else (None, [], "")
         # A verdict counts once it has held for VERDICT_STABLE_S: rows reach the store a
         # little apart per rank, and a rank whose entry is not stored yet looks like the
-        # odd one out for a moment (a "mismatch" naming the wrong rank).
+        # odd one out for a moment (a "mismatch" naming the wrong rank). Not so for a large
+        # job's verdict: it is made on pulled entries only once every member's are stored
+        # (or on the fronts, after waiting PULL_WAIT_S for them).
         key = (verdict, tuple(culprits))
         if key != w.verdict_key:
             w.verdict_key, w.verdict_since = key, now
-        if verdict in ("hang", "mismatch") and now - w.verdict_since < VERDICT_STABLE_S:
+        settled = w.fronts is not None and w.fronts.rows_applied > 0
+        if verdict in ("hang", "mismatch") and not settled and now - w.verdict_since < VERDICT_STABLE_S:
             return []  # judge again next interval
         with self._lock:
             if kind == "startup":
