@@ -51,6 +51,7 @@ from pathlib import Path
 
 import grpc
 
+from fleet.agent.backoff import reconnect_delays
 from fleet.agent.settings import AgentSettings
 from fleet.agent.spool import Spool
 from fleet.proto import agent_pb2, events_pb2
@@ -441,7 +442,7 @@ class Uplink:
         return False
 
     def _run(self) -> None:
-        backoff = 0.1
+        delays = reconnect_delays(max_s=self._reconnect_max_s)
         while self._await_partition_end():
             try:
                 with self._channel() as channel:
@@ -458,10 +459,11 @@ class Uplink:
                         self._outbound(conn), metadata=((TOKEN_METADATA_KEY, self._token),)
                     )
                     try:
-                        for msg in self._call:
+                        for i, msg in enumerate(self._call):
                             if not self._await_partition_end():
                                 break
-                            backoff = 0.1
+                            if i == 0:  # the controller answered: the next break starts over
+                                delays = reconnect_delays(max_s=self._reconnect_max_s)
                             self._inbound(msg)
                     finally:
                         with self._cond:
@@ -478,9 +480,8 @@ class Uplink:
                     log.warning("stream to controller broke (%s: %s); reconnecting", code, details)
             except Exception:  # the uplink thread must never die silently
                 log.exception("uplink error; reconnecting")
-            if self._stopped.wait(backoff):
+            if self._stopped.wait(next(delays)):  # jittered: see agent/backoff.py
                 break
-            backoff = min(backoff * 2, self._reconnect_max_s)
             with self._cond:
                 self.reconnects += 1
 
