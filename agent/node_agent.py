@@ -27,6 +27,13 @@ the address they were given, reach it without being told anything. The bind fail
 off, so two agents never share one. A port freed by a dead agent binds at once (gRPC
 sets SO_REUSEADDR; the dead agent's connections in TIME_WAIT do not block it).
 
+Large jobs (``settings.collective_fronts``): the workers' collectives do not go up. A
+``FrontKeeper`` (``agent.fronts``) takes them out of each report and keeps the newest
+``settings.ring_entries`` per rank and group; the report goes up with the rest of its
+events and one ``Event(fronts=...)`` of the fronts that changed. A ``pull`` command
+(``TracePull``) is answered, on the agent's pull thread, by submitting the kept rows it
+asks for as one ``Event(collectives=...)``, stored like any collectives.
+
 Buffering and backpressure are the uplink's (memory, then a spill folder, then blocking
 the workers' reports with RESOURCE_EXHAUSTED so they keep their events); the spill
 folder defaults to ``<system temp>/fleet-spill-<uid>/<agent_id>/``.
@@ -50,10 +57,11 @@ from pathlib import Path
 
 import grpc
 
+from fleet.agent.fronts import FrontKeeper
 from fleet.agent.host import host_metrics
 from fleet.agent.settings import AgentSettings
 from fleet.agent.uplink import Uplink
-from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto import agent_pb2, agent_pb2_grpc, columns, events_pb2
 from fleet.proto.kinds import FaultKind
 from fleet.proto.tls import TlsFiles
 
@@ -107,9 +115,11 @@ class _Mailboxes:
 
 
 class _NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
-    def __init__(self, uplink: Uplink, mailboxes: _Mailboxes) -> None:
+    def __init__(self, uplink: Uplink, mailboxes: _Mailboxes, keeper: FrontKeeper | None = None) -> None:
+        """``keeper``: with collective fronts, where a report's collectives go instead of up."""
         self._uplink = uplink
         self._mailboxes = mailboxes
+        self._keeper = keeper
         self._lock = threading.Lock()
         self._worker_dropped: dict[tuple[str, int, int], int] = {}  # cumulative, per rank
 
@@ -126,14 +136,42 @@ class _NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     def Report(self, request: agent_pb2.WorkerReport, context: grpc.ServicerContext) -> agent_pb2.WorkerReply:
         self._note_worker_losses(request)
-        if request.events:
+        events, fronts = list(request.events), None
+        if self._keeper is not None and events:
+            events, fronts = self._keep_collectives(events)
+        if events:
             try:
-                self._uplink.submit(list(request.events), timeout_s=5.0)
+                self._uplink.submit(events, timeout_s=5.0)
             except TimeoutError as exc:
-                # the worker keeps its events and retries: backpressure, not loss
+                if fronts is not None:   # sent with the next report instead
+                    self._keeper.untake(fronts)
+                # the worker keeps its events and retries: backpressure, not loss (the keeper
+                # takes the same collectives again without moving any front)
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         cmds = self._mailboxes.collect(request.job_id, request.attempt, request.rank)
         return agent_pb2.WorkerReply(commands=cmds)
+
+    def _keep_collectives(self, events: list[events_pb2.Event]
+                          ) -> tuple[list[events_pb2.Event], events_pb2.CollectiveFronts | None]:
+        """``events`` without their collectives (given to the keeper), plus one event of the
+        fronts that changed, last; and those fronts (None when none changed)."""
+        keeper = self._keeper
+        rest: list[events_pb2.Event] = []
+        singles: list[events_pb2.CollectiveEvent] = []
+        for event in events:
+            which = event.WhichOneof("kind")
+            if which == "collectives":
+                keeper.add(event.collectives)
+            elif which == "collective":
+                singles.append(event.collective)
+            else:
+                rest.append(event)
+        if singles:
+            keeper.add(columns.pack(singles))
+        fronts = keeper.take()
+        if fronts is not None:
+            rest.append(events_pb2.Event(fronts=fronts))
+        return rest, fronts
 
 
 class GemmChecker:
@@ -284,6 +322,8 @@ class NodeAgent:
             token=token,
             epoch=time.time_ns(),
         )
+        self._keeper = FrontKeeper(settings.ring_entries) if settings.collective_fronts else None
+        self._pulls: futures.ThreadPoolExecutor | None = None
         self._checker = GemmChecker(node_name, settings.gemm_size, settings.gemm_interval_s,
                                     submit=self._submit_check, idle=lambda: self._mailboxes.alive() == 0)
         self._uplink = Uplink(
@@ -310,8 +350,12 @@ class NodeAgent:
             ],
         )
         agent_pb2_grpc.add_NodeAgentServicer_to_server(
-            _NodeAgentServicer(self._uplink, self._mailboxes), self._server
+            _NodeAgentServicer(self._uplink, self._mailboxes, self._keeper), self._server
         )
+        if self._keeper is not None:
+            # a pull's submit may block under backpressure: never on the uplink's command callback
+            self._pulls = futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"fleet-agent-pull-{self.node_name}")
         address = f"{self._bind_host}:{self._local_port}"
         detail = "bind failed"
         try:
@@ -321,6 +365,9 @@ class NodeAgent:
         if port == 0:
             self._server = None
             self._executor.shutdown(wait=False)
+            if self._pulls is not None:
+                self._pulls.shutdown(wait=False)
+                self._pulls = None
             self._uplink.close()   # releases its spill folder
             raise OSError(f"{self.agent_id} cannot serve workers on {address} (is another agent "
                           f"of this node still running there?): {detail}")
@@ -335,12 +382,14 @@ class NodeAgent:
         return self.local_address
 
     def _on_command(self, cmd: events_pb2.Command) -> None:
-        """A command from the controller: a fault for the agent itself is applied now,
-        anything else waits for its rank's next report."""
+        """A command from the controller: a fault for the agent itself is applied now, a
+        trace pull answered on the pull thread, anything else waits for its rank's next report."""
         which = cmd.WhichOneof("kind")
         kind = cmd.fault.kind if which == "fault" else 0
         if which == "health_check":
             self._checker.request(cmd)
+        elif which == "pull":
+            self._pull_later(cmd)
         elif kind == FaultKind.SDC_GEMM.wire:
             log.warning("%s: sdc-gemm fault (command %s): this node's matrix products now come out "
                         "wrong in one element until the agent restarts", self.agent_id, cmd.command_id)
@@ -352,6 +401,31 @@ class NodeAgent:
             self._uplink.partition(cmd.fault.duration_s if cmd.fault.duration_s > 0 else DEFAULT_PARTITION_S)
         else:
             self._mailboxes.post(cmd)
+
+    def _pull_later(self, cmd: events_pb2.Command) -> None:
+        pulls = self._pulls
+        if pulls is None:
+            log.debug("%s: trace pull (command %s) ignored: this agent sends every collective (or is closing)",
+                      self.agent_id, cmd.command_id)
+            return
+        try:
+            pulls.submit(self._answer_pull, cmd)
+        except RuntimeError:   # closed meanwhile
+            log.debug("%s: trace pull (command %s) ignored: the agent is closing", self.agent_id, cmd.command_id)
+
+    def _answer_pull(self, cmd: events_pb2.Command) -> None:
+        """Submit the raw collectives ``cmd.pull`` asks for (on the pull thread)."""
+        try:
+            block = self._keeper.pull(cmd.pull)
+            if not block.seq:
+                log.debug("%s: trace pull (command %s): nothing kept of job %s attempt %d for ranks %s",
+                          self.agent_id, cmd.command_id, cmd.pull.job_id, cmd.pull.attempt, list(cmd.pull.ranks))
+                return
+            self._uplink.submit([events_pb2.Event(collectives=block)], timeout_s=30.0)
+        except TimeoutError as exc:
+            log.warning("%s: trace pull (command %s) not sent: %s", self.agent_id, cmd.command_id, exc)
+        except Exception:  # the pull thread must never die silently
+            log.exception("%s: answering trace pull (command %s) failed", self.agent_id, cmd.command_id)
 
     def partition(self, duration_s: float) -> None:
         """Cut this agent off from the controller for ``duration_s`` seconds
@@ -402,7 +476,12 @@ class NodeAgent:
             self._server.stop(grace=1.0).wait(timeout=5)
             self._server = None
             self._executor.shutdown(wait=False, cancel_futures=True)
-        self._uplink.close()
+        pulls, self._pulls = self._pulls, None
+        if pulls is not None:
+            pulls.shutdown(wait=False, cancel_futures=True)
+        self._uplink.close()   # wakes a pull blocked in submit
+        if pulls is not None:
+            pulls.shutdown(wait=True)
 
     def __enter__(self) -> NodeAgent:
         self.start()
