@@ -220,3 +220,19 @@ def test_random_interleavings_give_the_reference_front(rows: list[tuple[int, int
     for rank, (entered, _) in want.items():
         kept = k.pull(events_pb2.TracePull(job_id=JOB, attempt=1, ranks=[rank], last=100))
         assert list(kept.seq) == list(range(max(1, entered - ring + 1), entered + 1))
+
+
+def test_a_job_larger_than_raw_ingest_max_ranks_gets_collective_fronts() -> None:
+    from pathlib import Path
+
+    from fleet.controlplane.config import parse_cluster_yaml
+
+    def agent_settings(text: str):  # noqa: ANN202
+        return parse_cluster_yaml(text, Path("cluster.yaml")).agent_settings()
+
+    assert not agent_settings("job: {nodes: 2, ranks_per_node: 2}").collective_fronts   # 4 <= 512
+    small = agent_settings("agent: {raw_ingest_max_ranks: 4}\njob: {nodes: 2, ranks_per_node: 2}")
+    assert not small.collective_fronts
+    large = agent_settings("agent: {raw_ingest_max_ranks: 3, ring_entries: 16}\njob: {nodes: 2, ranks_per_node: 2}")
+    assert (large.collective_fronts, large.ring_entries) == (True, 16)
+    assert agent_settings("{}").ring_entries == 1024
