@@ -536,11 +536,11 @@ def test_model_overrides_are_the_model_fields_made_optional() -> None:
 
 
 def test_agents_get_one_settings_object_defined_by_the_agent() -> None:
-    from fleet.agent.settings import AGENT_SECTION_FIELDS, GEMM_FIELDS, LINK_FIELDS, AgentSettings
+    from fleet.agent.settings import AGENT_SECTION_FIELDS, GEMM_FIELDS, JOB_FIELDS, LINK_FIELDS, AgentSettings
     from fleet.controlplane.config import WORKER_REPORTING_FIELDS, AgentConfig, ControllerConfig, JobConfig, SdcConfig
     from fleet.workers.spec import WorkerSpec, documented_fields
 
-    assert tuple(AgentConfig.model_fields) == AGENT_SECTION_FIELDS + WORKER_REPORTING_FIELDS
+    assert tuple(AgentConfig.model_fields) == AGENT_SECTION_FIELDS + WORKER_REPORTING_FIELDS + ("raw_ingest_max_ranks",)
     worker = documented_fields(WorkerSpec)
     for section, key, name in [(AgentConfig, "report_interval_s", "report_interval_s"),
                                (AgentConfig, "fr_poll_interval_s", "fr_poll_interval_s"),
@@ -548,7 +548,8 @@ def test_agents_get_one_settings_object_defined_by_the_agent() -> None:
                                (JobConfig, "flight_recorder_entries", "fr_buffer_entries")]:
         field = section.model_fields[key]
         assert (field.default, field.description) == (getattr(WorkerSpec, name), worker[name].description), key
-    assert set(AgentSettings.model_fields) == set(AGENT_SECTION_FIELDS) | set(LINK_FIELDS) | set(GEMM_FIELDS)
+    assert set(AgentSettings.model_fields) == \
+        set(AGENT_SECTION_FIELDS) | set(LINK_FIELDS) | set(GEMM_FIELDS) | set(JOB_FIELDS)
     for name in GEMM_FIELDS:  # cluster.yaml's sdc section embeds the agent's definition
         assert SdcConfig.model_fields[name].description == AgentSettings.model_fields[name].description
     gemm = parse_cluster_yaml("sdc: {gemm_size: 64, gemm_interval_s: 5}", SRC).agent_settings()
