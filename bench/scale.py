@@ -1,0 +1,481 @@
+"""Scale: simulated ranks, real gRPC streams, the real controller, ingest, watchdog and store.
+
+    python bench/scale.py [--ranks 256,1024,4096,16384] [--store postgres|sqlite]
+                          [--trials 5] [--agent-procs 4] [--per-step 100] [--step-s 1.0]
+                          [--storm-nodes 2048] [--quick] [--seed 0]
+
+Per R: a headless controller (``bench.scale_controller``: Store, AgentRegistry, Watchdog with
+``send``, AgentServicer, ControllerServer on 127.0.0.1) and ``--agent-procs`` processes of
+synthetic agents (``bench.scale_agents``: one asyncio loop each, one ``AgentService.Connect``
+stream per node of 8 ranks, layout and schedule in ``bench.scale_schedule``: TP 8 x PP 4 x
+DP R/32, ``--per-step`` collectives a step of ``--step-s``).
+
+Measured per R, each trial a fresh attempt:
+  * steady window (first trial, before the fault): controller CPU seconds per second per
+    rank (``controller_cpu_s_per_rank_s``), controller RSS, the agents' CPU, ingest lag (a
+    step's ``end_ns`` -> its row visible in the store, polled for a few sampled ranks; p90;
+    an upper bound by the poll period), acks (max gap between two acks of one stream);
+  * hang trials: a random rank (seeded) stops entering collectives; ``detect_s`` = p90 of
+    (incident's ``detected_at`` - the fault's onset) over trials whose incident names the
+    right rank AND node; ``named`` counts them. A trial with no incident in
+    ``--detect-timeout-s`` counts as missed;
+  * desync (at the largest R, or ``--desync``): one rank enters a different op; right when
+    the incident is a desync naming that rank and node;
+  * refused/starved: streams never welcomed, acks rejected, the largest ack gap;
+  * reconnect storm (the largest R whose nodes >= ``--storm-nodes``, or every R in
+    --quick): SIGKILL the controller mid-stream, start it again on the same port and store,
+    time until every stream is welcomed again (``reconnect_s_<streams>``); then freeze the
+    agents, wait for every ack, and count by keys: steps rows by (job, attempt, rank, step)
+    == steps sent and none doubled; ingest_batches rows per agent == batches it sent;
+  * replay: ``fleet replay JOB --store URL`` on the largest R (its wall time, exit status,
+    whether it names the last hang's culprit).
+
+Prints a line per measurement as it goes; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import psutil  # noqa: E402
+
+from bench.scale_controller import TOKEN  # noqa: E402
+from bench.scale_schedule import Layout, Schedule, Trial, fault_at, p90  # noqa: E402
+
+LAG_SAMPLE_RANKS = 8
+POLL_S = 0.25
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+class Child:
+    """A child process speaking JSON lines on stdin/stdout."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, cwd=REPO)
+        self.ps = psutil.Process(self.proc.pid)
+
+    def send(self, obj: dict) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.proc.args[2]} exited ({self.proc.wait()}); see {self.log.name}")
+        return json.loads(line)
+
+    def ask(self, obj: dict) -> dict:
+        self.send(obj)
+        return self.read()
+
+    def cpu_s(self) -> float:
+        t = self.ps.cpu_times()
+        return t.user + t.system
+
+    def rss_mib(self) -> float:
+        return self.ps.memory_info().rss / 2**20
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Run:
+    """One R: the controller, the agents and the store of one job."""
+
+    def __init__(self, args: argparse.Namespace, ranks: int, url: str, folder: Path) -> None:
+        from fleet.controlplane.lifecycle import JobState
+        from fleet.controlplane.store import Store
+
+        self.args, self.ranks, self.url, self.folder = args, ranks, url, folder
+        self.layout = Layout(ranks)
+        self.schedule = Schedule(args.per_step, args.step_s)
+        self.store = Store(url)
+        self.job = self.store.create_job(f"scale-{ranks}", 1_000_000, "{}")
+        self.store.set_job_state(self.job, JobState.PLACING, "bench")
+        self.store.set_job_state(self.job, JobState.RUNNING, "bench")
+        self.port = _free_port()
+        self.ctl = self._controller(None)
+        self.address = self.ctl.read()["address"]
+        nodes, procs = self.layout.nodes, max(1, min(args.agent_procs, self.layout.nodes))
+        self.agents: list[Child] = []
+        first = 0
+        for i in range(procs):
+            count = nodes // procs + (1 if i < nodes % procs else 0)
+            self.agents.append(Child(["bench.scale_agents", "--address", self.address, "--token", TOKEN,
+                                      "--ranks", str(ranks), "--first", str(first), "--count", str(count),
+                                      "--per-step", str(args.per_step), "--step-s", str(args.step_s),
+                                      "--batch-interval-s", str(args.batch_interval_s),
+                                      *(["--no-pull"] if args.no_pull else [])],
+                                     folder / f"agents-{ranks}-{i}.log"))
+            first += count
+        for a in self.agents:
+            a.read()  # ready
+        self.attempt = 0
+        self.t0_ns = 0
+        self._steps_before_attempt = 0
+
+    def _controller(self, attempt: int | None) -> Child:
+        a = self.args
+        extra = ["--attempt", str(attempt)] if attempt else []
+        if a.hang_factor is not None:
+            extra += ["--hang-factor", str(a.hang_factor)]
+        return Child(["bench.scale_controller", "--store", self.url, "--port", str(self.port), "--job", self.job,
+                      "--ranks", str(self.ranks), *extra], self.folder / f"controller-{self.ranks}.log")
+
+    def stats(self) -> list[dict]:
+        for a in self.agents:
+            a.send({"cmd": "stats"})
+        return [a.read() for a in self.agents]
+
+    def wait_welcomed(self, timeout_s: float, since: float = 0.0) -> float | None:
+        """Seconds until every stream was welcomed (after ``since``, Unix time); None on timeout."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            st = self.stats()
+            if all(s["connected"] == s["streams"] for s in st) and (
+                    not since or all(s["newest_welcome"] >= since for s in st)):
+                return time.monotonic() - start
+            time.sleep(POLL_S)
+        return None
+
+    def new_attempt(self) -> None:
+        self.attempt = self.ctl.ask({"cmd": "attempt"})["attempt"]
+        self.t0_ns = time.time_ns() + int(0.3e9)
+        for a in self.agents:
+            a.send({"cmd": "attempt", "job": self.job, "attempt": self.attempt, "t0_ns": self.t0_ns})
+
+    def plant(self, kind: str, rank: int) -> Trial:
+        at_ns = time.time_ns() + int(0.2e9)
+        fault = fault_at(self.schedule, self.t0_ns, at_ns, kind, rank)
+        for a in self.agents:
+            a.send({"cmd": "fault", "kind": kind, "rank": rank, "op_index": fault.op_index})
+        onset = self.schedule.op_enter_ns(self.t0_ns, fault.op_index)
+        return Trial(kind, rank, self.layout.node_of(rank), onset, self.attempt)
+
+    def wait_incident(self, trial: Trial, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = [i for i in self.store.incidents(self.job)
+                     if i.attempt == trial.attempt and i.kind.value in ("hang", "desync")]
+            if found:
+                i = found[0]
+                named = i.rank == trial.rank and i.node == trial.node and i.kind.value == trial.kind
+                return {"kind": i.kind.value, "rank": i.rank, "node": i.node, "named": named,
+                        "detect_s": round(i.detected_at - trial.onset_ns / 1e9, 3), "detector": i.detector,
+                        "evidence": i.evidence[:300]}
+            time.sleep(POLL_S)
+        return {"kind": None, "named": False, "detect_s": None}
+
+    def steady(self, window_s: float) -> dict:
+        """Controller CPU, RSS, agents' CPU, ingest lag and ack gaps over ``window_s``."""
+        from sqlalchemy import bindparam, create_engine, text
+
+        rng = random.Random(self.ranks)
+        sample = sorted(rng.sample(range(self.ranks), min(LAG_SAMPLE_RANKS, self.ranks)))
+        q = text("SELECT rank, step, end_ns FROM steps WHERE job_id = :j AND attempt = :a AND step > :s "
+                 "AND rank IN :r").bindparams(bindparam("r", expanding=True))
+        for a in self.agents:
+            a.send({"cmd": "reset"})
+        ctl0, agents0, t0 = self.ctl.cpu_s(), sum(a.cpu_s() for a in self.agents), time.monotonic()
+        seen: set[tuple[int, int]] = set()
+        newest = 0
+        lags: list[float] = []
+        polls = 0
+        engine = create_engine(self.url)
+        try:
+            while time.monotonic() - t0 < window_s:
+                with engine.connect() as c:
+                    rows = c.execute(q, {"j": self.job, "a": self.attempt, "s": max(0, newest - 3),
+                                         "r": sample}).all()
+                now = time.time()
+                for rank, step, end_ns in rows:
+                    if (rank, step) not in seen:
+                        seen.add((rank, step))
+                        newest = max(newest, step)
+                        if polls:  # the first poll finds steps of before the window: a baseline
+                            lags.append(now - end_ns / 1e9)
+                polls += 1
+                time.sleep(POLL_S)
+        finally:
+            engine.dispose()
+        took = time.monotonic() - t0
+        ctl_cpu = (self.ctl.cpu_s() - ctl0) / took
+        agents_cpu = (sum(a.cpu_s() for a in self.agents) - agents0) / took
+        st = self.stats()
+        return {"controller_cpu_s_per_s": round(ctl_cpu, 3),
+                "controller_cpu_s_per_rank_s": ctl_cpu / self.ranks,
+                "controller_rss_mib": round(self.ctl.rss_mib(), 1),
+                "agents_cpu_s_per_s": round(agents_cpu, 3),
+                "ingest_lag_s": round(p90(lags), 3) if lags else None, "lag_samples": len(lags),
+                "max_ack_gap_s": round(max(s["max_ack_gap_s"] for s in st), 3),
+                "agents_tick_cpu_s": round(max(s["tick_cpu_s"] for s in st), 4)}
+
+    def storm(self) -> dict:
+        """SIGKILL the controller, restart it on the same port and store; time the welcomes;
+        then count every event by key."""
+        from sqlalchemy import create_engine, text
+
+        streams = self.layout.nodes
+        time.sleep(2.0)
+        self.ctl.stop(signal.SIGKILL)
+        killed = time.time()
+        self.ctl = self._controller(self.attempt)
+        self.ctl.read()
+        ready = time.time()
+        took = self.wait_welcomed(120, since=ready)
+        reconnect_s = None
+        if took is not None:
+            reconnect_s = round(max(s["newest_welcome"] for s in self.stats()) - ready, 3)
+        _say(f"  storm: {streams} streams; controller killed, back {ready - killed:.2f} s later; "
+             f"all welcomed again {reconnect_s} s after it served")
+        time.sleep(2.0)
+        for a in self.agents:
+            a.send({"cmd": "freeze"})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            st = self.stats()
+            if sum(s["unacked"] for s in st) == 0:
+                break
+            time.sleep(POLL_S)
+        st = self.stats()
+        sent_batches: dict[str, int] = {}
+        epochs: dict[str, int] = {}
+        for s in st:
+            sent_batches.update(s["batches"])
+            epochs.update(s["epochs"])
+        engine = create_engine(self.url)
+        try:
+            with engine.connect() as c:
+                rows, keys = c.execute(text(
+                    "SELECT count(*), count(DISTINCT CAST(rank AS BIGINT) * 1000000000 + step) FROM steps "
+                    "WHERE job_id = :j AND attempt = :a"), {"j": self.job, "a": self.attempt}).one()
+                stored = dict(c.execute(text(
+                    "SELECT agent_id, count(*) FROM ingest_batches WHERE agent_id LIKE 'scale-agent-%' "
+                    "GROUP BY agent_id")).all())
+        finally:
+            engine.dispose()
+        # steps sent for this attempt: the agents count since its start
+        sent_steps = sum(s["steps"] for s in st) - self._steps_before_attempt
+        batches_ok = all(stored.get(a, 0) == n for a, n in sent_batches.items())
+        exact = rows == keys == sent_steps and batches_ok and sum(s["unacked"] for s in st) == 0
+        _say(f"  storm: steps sent {sent_steps:,}, rows {rows:,}, distinct keys {keys:,}; batches per agent "
+             f"{'all equal' if batches_ok else 'DIFFER'} ({sum(sent_batches.values()):,} sent, "
+             f"{sum(stored.values()):,} stored) -> {'exactly once' if exact else 'NOT exactly once'}")
+        return {"streams": streams, "reconnect_s": reconnect_s, "restart_s": round(ready - killed, 3),
+                "exactly_once": exact, "steps_sent": sent_steps, "steps_rows": rows, "steps_keys": keys,
+                "batches_sent": sum(sent_batches.values()), "batches_stored": sum(stored.values())}
+
+    def close(self) -> None:
+        for a in self.agents:
+            try:
+                a.send({"cmd": "quit"})
+            except (BrokenPipeError, OSError):
+                pass
+        for a in self.agents:
+            a.stop(timeout_s=15)
+        self.ctl.stop()
+        self.store.close()
+
+
+def replay(url: str, job: str, culprit: int | None) -> dict:
+    fleet = shutil.which("fleet", path=str(Path(sys.executable).parent)) or "fleet"
+    t = time.monotonic()
+    proc = subprocess.run([fleet, "replay", job, "--store", url], capture_output=True, text=True, timeout=600,
+                          cwd=REPO)
+    took = time.monotonic() - t
+    names = culprit is not None and f"rank {culprit}" in proc.stdout
+    return {"replay_s": round(took, 3), "replay_rc": proc.returncode, "replay_names_culprit": names,
+            "replay_tail": (proc.stdout + proc.stderr)[-400:] if proc.returncode else ""}
+
+
+def run_one(args: argparse.Namespace, ranks: int, url: str, folder: Path, rng: random.Random,
+            last: bool) -> dict:
+    _say(f"R={ranks:,}: {ranks // 8:,} streams over {min(args.agent_procs, ranks // 8)} agent process(es), "
+         f"store {args.store}")
+    run = Run(args, ranks, url, folder)
+    out: dict = {"ranks": ranks}
+    try:
+        took = run.wait_welcomed(120)
+        st = run.stats()
+        out["welcomed"] = sum(s["welcomed"] for s in st)
+        out["refused"] = run.layout.nodes - out["welcomed"]
+        _say(f"  {out['welcomed']:,}/{run.layout.nodes:,} streams welcomed"
+             + (f" in {took:.2f} s" if took is not None else " (TIMED OUT)"))
+        if took is None:
+            out["broke"] = "not every stream was welcomed within 120 s"
+            return out
+        detect, named, trials = [], 0, []
+        n_trials = args.trials if ranks == max(args.ranks) else max(1, min(args.trials, args.small_trials))
+        for t in range(n_trials):
+            run._steps_before_attempt = sum(s["steps"] for s in run.stats())
+            run.new_attempt()
+            if t == 0:
+                time.sleep(args.warmup_s)
+                out.update(run.steady(args.window_s))
+                _say(f"  steady: controller {out['controller_cpu_s_per_s']:.2f} CPU s/s "
+                     f"({out['controller_cpu_s_per_rank_s'] * 1e6:.1f} us per rank-second), "
+                     f"RSS {out['controller_rss_mib']:.0f} MiB; agents {out['agents_cpu_s_per_s']:.2f} CPU s/s; "
+                     f"ingest lag p90 {out['ingest_lag_s']} s; max ack gap {out['max_ack_gap_s']} s")
+            else:
+                time.sleep(args.trial_warmup_s)
+            culprit = rng.randrange(ranks)
+            trial = run.plant("hang", culprit)
+            res = run.wait_incident(trial, args.detect_timeout_s)
+            trials.append({"rank": culprit, **res})
+            if res["named"]:
+                named += 1
+                detect.append(res["detect_s"])
+            _say(f"  hang trial {t + 1}: culprit rank {culprit} ({trial.node}) -> "
+                 f"{res['kind']} on rank {res.get('rank')} ({res.get('node')}) "
+                 f"{'RIGHT' if res['named'] else 'WRONG'} after {res['detect_s']} s [{res.get('detector')}]")
+            out["last_culprit"] = culprit
+        out["detect_s"] = p90(detect)
+        out["named"] = named
+        out["trials"] = n_trials
+        out["hang_trials"] = trials
+        if args.desync or last:
+            run._steps_before_attempt = sum(s["steps"] for s in run.stats())
+            run.new_attempt()
+            time.sleep(args.trial_warmup_s)
+            culprit = rng.randrange(ranks)
+            trial = run.plant("desync", culprit)
+            res = run.wait_incident(trial, args.detect_timeout_s)
+            out["desync_ok"] = res["named"]
+            out["desync_s"] = res["detect_s"]
+            _say(f"  desync: culprit rank {culprit} ({trial.node}) -> {res['kind']} on rank {res.get('rank')} "
+                 f"{'RIGHT' if res['named'] else 'WRONG'} after {res['detect_s']} s")
+        if args.quick or (last and run.layout.nodes >= args.storm_nodes):
+            run._steps_before_attempt = sum(s["steps"] for s in run.stats())
+            run.new_attempt()
+            out["storm"] = run.storm()
+        st = run.stats()
+        out["rejected"] = sum(s["rejected"] for s in st)
+        out["pulls_answered"] = sum(s["pulls"] for s in st)
+        out["reconnects"] = sum(s["reconnects"] for s in st)
+    finally:
+        run.close()
+    if last and args.replay:
+        out.update(replay(url, run.job, out.get("last_culprit")))
+        _say(f"  replay: {out['replay_s']} s, exit {out['replay_rc']}, names the culprit: "
+             f"{out['replay_names_culprit']}")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="256,1024,4096,16384", help="comma-separated rank counts")
+    parser.add_argument("--store", choices=("postgres", "sqlite"), default="postgres")
+    parser.add_argument("--postgres-url", help="an existing server's admin URL (default: start one)")
+    parser.add_argument("--trials", type=int, default=5, help="hang trials at the largest R")
+    parser.add_argument("--small-trials", type=int, default=2, help="hang trials at smaller R")
+    parser.add_argument("--agent-procs", type=int, default=4)
+    parser.add_argument("--per-step", type=int, default=100, help="collectives per step per rank")
+    parser.add_argument("--step-s", type=float, default=1.0)
+    parser.add_argument("--batch-interval-s", type=float, default=0.5)
+    parser.add_argument("--hang-factor", type=float, default=None, help="DetectConfig.hang_factor (default its own)")
+    parser.add_argument("--warmup-s", type=float, default=6.0)
+    parser.add_argument("--trial-warmup-s", type=float, default=5.0)
+    parser.add_argument("--window-s", type=float, default=8.0)
+    parser.add_argument("--detect-timeout-s", type=float, default=30.0)
+    parser.add_argument("--storm-nodes", type=int, default=2048)
+    parser.add_argument("--desync", action="store_true", help="a desync trial at every R")
+    parser.add_argument("--no-pull", action="store_true",
+                        help="agents ignore TracePulls: the watchdog decides on the fronts alone")
+    parser.add_argument("--no-replay", dest="replay", action="store_false")
+    parser.add_argument("--quick", action="store_true", help="128 ranks, SQLite, one trial, a small storm")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.quick:
+        args.ranks, args.store, args.trials, args.small_trials = "128", "sqlite", 1, 1
+        args.warmup_s, args.trial_warmup_s, args.window_s, args.agent_procs = 4.0, 4.0, 2.0, 2
+        args.detect_timeout_s = min(args.detect_timeout_s, 20.0)
+    try:
+        args.ranks = [int(r) for r in args.ranks.split(",")]
+        for r in args.ranks:
+            Layout(r)
+        Schedule(args.per_step, args.step_s)
+    except ValueError as exc:
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    rng = random.Random(args.seed)
+    folder = Path(tempfile.mkdtemp(prefix="fleet-bench-scale-"))
+    _say(f"bench/scale.py: ranks {args.ranks}, {args.per_step} collectives per {args.step_s} s step, "
+         f"store {args.store}; logs in {folder}")
+    server = None
+    results = []
+    try:
+        if args.store == "postgres" and not args.postgres_url:
+            from tests.pg import PostgresServer
+            server = PostgresServer(crash_safe=True).start()
+        for i, ranks in enumerate(args.ranks):
+            if args.store == "sqlite":
+                url = f"sqlite:///{folder}/scale-{ranks}.db"
+            elif server is not None:
+                url = server.create_database()
+            else:
+                url = args.postgres_url
+            results.append(run_one(args, ranks, url, folder, rng, last=i == len(args.ranks) - 1))
+    finally:
+        if server is not None:
+            server.stop()
+    last = results[-1]
+    storm = next((r["storm"] for r in reversed(results) if "storm" in r), None)
+    out = {
+        "ranks": [r["ranks"] for r in results],
+        "detect_s": [r.get("detect_s") for r in results],
+        "ingest_lag_s": [r.get("ingest_lag_s") for r in results],
+        "controller_cpu_s_per_rank_s": [r.get("controller_cpu_s_per_rank_s") for r in results],
+        "controller_rss_mib": [r.get("controller_rss_mib") for r in results],
+        "agents_cpu_s_per_s": [r.get("agents_cpu_s_per_s") for r in results],
+        "named": [r.get("named") for r in results],
+        "trials": [r.get("trials") for r in results],
+        "refused": [r.get("refused") for r in results],
+        "rejected": [r.get("rejected") for r in results],
+        "max_ack_gap_s": [r.get("max_ack_gap_s") for r in results],
+        "desync_ok": last.get("desync_ok"),
+        "replay_s_16384": last.get("replay_s") if last["ranks"] == 16384 else None,
+        "replay_s": last.get("replay_s"), "replay_ok": last.get("replay_rc") == 0,
+        "replay_names_culprit": last.get("replay_names_culprit"),
+        "reconnect_s_2048": storm["reconnect_s"] if storm and storm["streams"] >= 2048 else None,
+        "reconnect": storm,
+        "store": args.store,
+        "broke": [r.get("broke") for r in results],
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
