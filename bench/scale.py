@@ -248,7 +248,7 @@ class Run:
         from sqlalchemy import create_engine, text
 
         streams = self.layout.nodes
-        time.sleep(2.0)
+        time.sleep(self.args.settle_s)
         self.ctl.stop(signal.SIGKILL)
         killed = time.time()
         self.ctl = self._controller(self.attempt)
@@ -260,7 +260,7 @@ class Run:
             reconnect_s = round(max(s["newest_welcome"] for s in self.stats()) - ready, 3)
         _say(f"  storm: {streams} streams; controller killed, back {ready - killed:.2f} s later; "
              f"all welcomed again {reconnect_s} s after it served")
-        time.sleep(2.0)
+        time.sleep(self.args.settle_s)
         for a in self.agents:
             a.send({"cmd": "freeze"})
         deadline = time.monotonic() + 60
@@ -365,7 +365,7 @@ def run_one(args: argparse.Namespace, ranks: int, url: str, folder: Path, rng: r
         out["named"] = named
         out["trials"] = n_trials
         out["hang_trials"] = trials
-        if args.desync or last:
+        if args.desync or (last and not args.quick):
             run._steps_before_attempt = sum(s["steps"] for s in run.stats())
             run.new_attempt()
             time.sleep(args.trial_warmup_s)
@@ -408,18 +408,21 @@ def main() -> int:
     parser.add_argument("--warmup-s", type=float, default=6.0)
     parser.add_argument("--trial-warmup-s", type=float, default=5.0)
     parser.add_argument("--window-s", type=float, default=8.0)
+    parser.add_argument("--settle-s", type=float, default=2.0, help="storm: streaming before the kill and after")
     parser.add_argument("--detect-timeout-s", type=float, default=30.0)
     parser.add_argument("--storm-nodes", type=int, default=2048)
     parser.add_argument("--desync", action="store_true", help="a desync trial at every R")
     parser.add_argument("--no-pull", action="store_true",
                         help="agents ignore TracePulls: the watchdog decides on the fronts alone")
     parser.add_argument("--no-replay", dest="replay", action="store_false")
-    parser.add_argument("--quick", action="store_true", help="128 ranks, SQLite, one trial, a small storm")
+    parser.add_argument("--quick", action="store_true",
+                        help="128 ranks, SQLite, one hang trial (a desync trial with --desync), a small storm")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.quick:
         args.ranks, args.store, args.trials, args.small_trials = "128", "sqlite", 1, 1
-        args.warmup_s, args.trial_warmup_s, args.window_s, args.agent_procs = 4.0, 4.0, 2.0, 2
+        args.warmup_s, args.trial_warmup_s, args.window_s, args.agent_procs = 3.0, 3.0, 2.0, 2
+        args.settle_s = 1.0
         args.detect_timeout_s = min(args.detect_timeout_s, 20.0)
     try:
         args.ranks = [int(r) for r in args.ranks.split(",")]

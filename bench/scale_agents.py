@@ -48,7 +48,10 @@ from bench.scale_schedule import (
 )
 from fleet.proto import agent_pb2, events_pb2
 from fleet.proto.columns import pack as pack_columns
-from fleet.proto.contract import CONNECT_METHOD_PATH, TOKEN_METADATA_KEY
+from fleet.proto.contract import (
+    AGENT_MESSAGE_BATCH_TAG, CONNECT_METHOD_PATH, EVENT_BATCH_EVENTS_TAG, TOKEN_METADATA_KEY, encode_varint,
+    length_delimited_tag,
+)
 from fleet.proto.fronts import signature
 
 STREAMS_PER_CHANNEL = 64
@@ -100,6 +103,44 @@ class _Kinds:
                 self.completed_ns[k] = s.op_enter_ns(t0_ns, int(ci[0])) + s.dt_ns // 2
 
 
+def _length_delimited(tag: bytes, data: bytes) -> bytes:
+    return tag + encode_varint(len(data)) + data
+
+
+_FRONTS_TAG = length_delimited_tag(events_pb2.Event.DESCRIPTOR.fields_by_name["fronts"])
+
+
+def _fronts_event(block: bytes) -> bytes:
+    """An encoded ``Event(fronts=block)`` as an element of EventBatch.events."""
+    return _length_delimited(EVENT_BATCH_EVENTS_TAG, _length_delimited(_FRONTS_TAG, block))
+
+
+class _Template:
+    """One tick's fronts of a node whose ranks all follow the schedule (every node but a
+    fault's culprit's): computed once per tick, shared by all such nodes. ``last_e`` is the
+    array those nodes sent last (identity marks a node as in step); ``values`` the encoded
+    value columns of the rows that changed (None: none did), ``idx`` those rows."""
+
+    def __init__(self, agents: Agents, view: _Kinds, last_e: np.ndarray, last_c: np.ndarray) -> None:
+        self.last_e = last_e
+        self.e = np.tile(view.e, (RANKS_PER_NODE, 1))
+        self.c = np.tile(view.c, (RANKS_PER_NODE, 1))
+        changed = ((self.e != last_e) | (self.c != last_c)).ravel()
+        self.idx = np.flatnonzero(changed)
+        self.values = None
+        if len(self.idx):
+            idx, n = self.idx, len(self.idx)
+
+            def col(a: np.ndarray) -> list[int]:
+                return np.tile(a, RANKS_PER_NODE)[idx].tolist()
+
+            self.values = events_pb2.CollectiveFronts(
+                job_id=[0] * n, attempt=[agents.attempt] * n, entered_seq=self.e.ravel()[idx].tolist(),
+                completed_seq=self.c.ravel()[idx].tolist(), entered_ns=col(view.entered_ns),
+                completed_ns=col(view.completed_ns), op=col(view.op), signature=col(view.sig), step=col(view.step),
+                entered=(self.e - last_e).ravel()[idx].tolist()).SerializeToString()
+
+
 class Node:
     """One simulated node and its agent stream."""
 
@@ -125,6 +166,7 @@ class Node:
         self.last_c = np.zeros_like(self.last_e)
         self.steps_sent = 0
         self.groups_sent = False
+        self._static_cache: dict[bytes, bytes] = {}
         # the stream
         self.unacked: deque[tuple[int, bytes]] = deque()
         self.next_seq = 1
@@ -147,23 +189,26 @@ class Node:
             agent_id=self.agent_id, node_name=self.name, hostname=self.name, pid=os.getpid(),
             token=agents.token, epoch=self.epoch)).SerializeToString()
 
-    def reset_attempt(self) -> None:
-        self.last_e[:] = 0
-        self.last_c[:] = 0
+    def reset_attempt(self, last_e: np.ndarray, last_c: np.ndarray) -> None:
+        self.last_e, self.last_c = last_e, last_c
         self.steps_sent = 0
         self.groups_sent = False
+        self._static_cache.clear()
 
     # -- batches ------------------------------------------------------------------------
 
-    def add_batch(self, events: list[events_pb2.Event]) -> None:
+    def add_batch(self, events: list[events_pb2.Event], extra: bytes = b"") -> None:
+        """Queue a batch of ``events`` plus ``extra`` (already encoded Events, each under
+        its EventBatch.events key)."""
         seq, self.next_seq = self.next_seq, self.next_seq + 1
-        data = agent_pb2.AgentMessage(batch=agent_pb2.EventBatch(
-            agent_id=self.agent_id, epoch=self.epoch, seq=seq, events=events)).SerializeToString()
-        self.unacked.append((seq, data))
+        batch = agent_pb2.EventBatch(agent_id=self.agent_id, epoch=self.epoch, seq=seq,
+                                     events=events).SerializeToString() + extra
+        self.unacked.append((seq, _length_delimited(AGENT_MESSAGE_BATCH_TAG, batch)))
         self.wake.set()
 
-    def tick(self, now_ns: int, views: dict) -> list[events_pb2.Event]:
-        """This node's events of the attempt as of ``now_ns`` (views: the per-kind values)."""
+    def tick(self, now_ns: int, views: dict, template: _Template) -> tuple[list[events_pb2.Event], bytes]:
+        """This node's events of the attempt as of ``now_ns``: (events, its encoded fronts
+        event or b"")."""
         a = self.agents
         job, attempt = a.job, a.attempt
         events: list[events_pb2.Event] = []
@@ -186,12 +231,28 @@ class Node:
                         tokens_per_s=4096 / s.step_s, end_ns=end_ns)))
             self.steps_total += (done - self.steps_sent) * len(self.ranks)
             self.steps_sent = done
+        culprit = a.fault.rank if a.fault is not None else -1
+        if self.last_e is template.last_e and not self.ranks[0] <= culprit < self.ranks[0] + RANKS_PER_NODE:
+            # in step with every other node: the tick's shared values, this node's own keys
+            self.last_e, self.last_c = template.e, template.c
+            if template.values is None:
+                return events, b""
+            return events, _fronts_event(self._static(template.idx) + template.values)
         block = self._fronts(views)
-        if block is not None:
-            events.append(events_pb2.Event(fronts=block))
-        return events
+        return events, b"" if block is None else _fronts_event(block.SerializeToString())
+
+    def _static(self, idx: np.ndarray) -> bytes:
+        """The encoded strings, rank, group and group_size columns of rows ``idx``."""
+        key = idx.tobytes()
+        data = self._static_cache.get(key)
+        if data is None:
+            data = self._static_cache[key] = events_pb2.CollectiveFronts(
+                strings=[self.agents.job, *OP_NAMES, *self.group_names], rank=self.row_rank[idx].tolist(),
+                group=self.row_group[idx].tolist(), group_size=self.row_size[idx].tolist()).SerializeToString()
+        return data
 
     def _fronts(self, views: dict) -> events_pb2.CollectiveFronts | None:
+        """The general path (the fault's culprit's node): rows computed for this node."""
         base = views["all"]
         culprit = self.agents.fault.rank if self.agents.fault is not None else -1
         local = culprit - self.ranks[0]
@@ -364,6 +425,8 @@ class Agents:
         self.connects: list = []
         self.nodes = [Node(self, n) for n in range(first, first + count)]
         self.tick_s: deque[float] = deque(maxlen=64)
+        self._last_e = np.zeros((RANKS_PER_NODE, len(KINDS)), dtype=np.int64)
+        self._last_c = np.zeros_like(self._last_e)
 
     def connect_for(self, node: int):  # noqa: ANN201
         return self.connects[node % len(self.connects)]
@@ -372,7 +435,11 @@ class Agents:
         n_channels = max(1, -(-len(self.nodes) // STREAMS_PER_CHANNEL))
         for i in range(n_channels):
             # a distinct argument per channel: each its own TCP connection
+            # its own reconnect backoff short: the streams' jittered backoff is the policy measured
             ch = grpc.aio.insecure_channel(self.address, options=[("fleet.bench.channel", i),
+                                                                  ("grpc.initial_reconnect_backoff_ms", 100),
+                                                                  ("grpc.min_reconnect_backoff_ms", 100),
+                                                                  ("grpc.max_reconnect_backoff_ms", 500),
                                                                   ("grpc.max_send_message_length", 64 << 20),
                                                                   ("grpc.max_receive_message_length", 64 << 20)])
             self.channels.append(ch)
@@ -411,10 +478,12 @@ class Agents:
                 desync = f if f.kind == "desync" else None
                 views = {"all": _Kinds(s, t0, min(g, ce), min(gc, cc), None, False),
                          "culprit": _Kinds(s, t0, min(g, he), min(gc, hc), desync, True)}
+            template = _Template(self, views["all"], self._last_e, self._last_c)
+            self._last_e, self._last_c = template.e, template.c
             for i, n in enumerate(self.nodes):
-                events = n.tick(now_ns, views)
-                if events:
-                    n.add_batch(events)
+                events, fronts = n.tick(now_ns, views, template)
+                if events or fronts:
+                    n.add_batch(events, fronts)
                 if i % 64 == 63:
                     await asyncio.sleep(0)
             self.tick_s.append(time.process_time() - started)
@@ -440,8 +509,10 @@ class Agents:
             if what == "attempt":
                 self.job, self.attempt, self.t0_ns, self.fault = cmd["job"], cmd["attempt"], cmd["t0_ns"], None
                 self.frozen = False
+                self._last_e = np.zeros((RANKS_PER_NODE, len(KINDS)), dtype=np.int64)
+                self._last_c = np.zeros_like(self._last_e)
                 for n in self.nodes:
-                    n.reset_attempt()
+                    n.reset_attempt(self._last_e, self._last_c)
             elif what == "fault":
                 self.fault = Fault(cmd["kind"], cmd["rank"], cmd["op_index"])
             elif what == "freeze":
