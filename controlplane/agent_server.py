@@ -1,36 +1,60 @@
-"""The controller's side of AgentService: one bidi stream per node agent.
+"""The controller's side of AgentService: one bidi stream per node agent, on asyncio.
 
-Per stream, a named receiver thread reads the agent's messages. An event batch is
-validated and turned into rows right there (``ingest.prepare``), then queued for the
-store's single writer (``IngestWriter``), which commits it idempotently, keyed by
+Every stream is a coroutine on the controller's one gRPC event loop (the
+``fleet-ctl-aio`` thread that ``grpc_server.ControllerServer`` owns): no thread per
+stream, so the number of agents is bounded by memory and CPU, not by a thread pool.
+Per stream, a reader task takes the agent's messages and the handler writes the
+Welcome, the acks and any commands posted for the node.
+
+An event batch is validated and turned into rows (``ingest.prepare``), then queued for
+the store's single writer (``IngestWriter``), which commits it idempotently, keyed by
 (agent_id, epoch, seq), and acks it after the commit. A batch that fails validation is
-recorded as dropped and acked as rejected, in its place in the stream's order.
-An optional observer (the controller's watchdog) sees every valid batch's rows on the
-receiver thread before they are queued; it must be cheap, and its errors are logged,
-never allowed to break ingest. Node checks (``on_node_check``, the controller's
-``node_checks.NodeChecks.observe``) are handed each known-answer GEMM result of a valid
-batch, with the stream's node, once the batch is queued; their errors are logged too.
-Heartbeats update the node's liveness and health samples; DropReports (events an agent
-lost) are stored in ``ingest_drops``. The response generator sends the Welcome, the
-acks and any commands posted for that node.
+recorded as dropped and acked as rejected, in its place in the stream's order. Each
+stream handles its messages one at a time, so its batches reach the writer, and its
+acks come back, in the order they were sent.
+
+What never runs on the loop, because it would stall every other stream:
+- ``prepare`` of a batch of more than ``INLINE_PREPARE_EVENTS`` events runs in a pool of
+  ``PREPARE_THREADS`` threads (``fleet-ctl-prepare``): a full 2,000-event batch takes
+  ~10-20 ms on this machine, which on the loop would delay every other stream's reads and
+  acks by as much; a small one (~0.1 ms) costs less than the hop to a thread.
+- Store calls (the Hello's node row and committed seq, DropReports, node checks, which
+  store verdicts and may quarantine) run in a pool of ``STORE_THREADS`` (``fleet-ctl-store``).
+- ``IngestWriter.put`` blocks when the queue is full; the loop only tries it without
+  waiting and, when full, parks the stream until the writer acks something (or 0.25 s
+  passes), then tries again. A parked stream does not read: gRPC flow control pushes
+  back on its agent. Nothing is dropped for being slow.
+
+An optional observer (the controller's watchdog) sees every valid batch's rows before
+they are queued; it runs ON THE LOOP THREAD, so it must be cheap (O(1)), and its errors
+are logged, never allowed to break ingest. Node checks (``on_node_check``, the
+controller's ``node_checks.NodeChecks.observe``) are handed each known-answer GEMM result
+of a valid batch, with the stream's node, once the batch is queued, in the store pool;
+their errors are logged too. Heartbeats update the node's liveness and health samples;
+DropReports (events an agent lost) are stored in ``ingest_drops``.
 
 Refusals never crash anything and are counted in ``fleet_ingest_errors_total``: a
 missing or wrong token (UNAUTHENTICATED), bytes that are not an AgentMessage
-(INVALID_ARGUMENT), a message over the size limit (RESOURCE_EXHAUSTED, by gRPC itself),
-a stream that breaks the protocol (INVALID_ARGUMENT), an invalid batch (rejected ack).
+(INVALID_ARGUMENT), a message over the size limit (RESOURCE_EXHAUSTED), a stream that
+breaks the protocol (INVALID_ARGUMENT), an invalid batch (rejected ack).
 
-``AgentRegistry`` is what the rest of the controller sees: which nodes have a live
-agent, when each was last heard from, and a way to send a command to a node.
+``AgentRegistry`` is what the rest of the controller sees, from any thread: which nodes
+have a live agent, when each was last heard from, and a way to send a command to a node.
+``AgentSession.ack``/``post``/``fail`` may be called from any thread: they hand the
+message to the loop with ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 
@@ -40,40 +64,63 @@ from fleet.controlplane.metrics import ControllerMetrics
 from fleet.controlplane.store import HealthRecord, Store
 from fleet.controlplane.store.ingest import InvalidBatch, PreparedBatch, count_events, prepare
 from fleet.controlplane.store.writer import IngestWriter, Item
+from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto.contract import TOKEN_METADATA_KEY
 
 #: What the AgentService deserializer returns for bytes that are not an AgentMessage,
 #: and for a message over the size limit.
 MALFORMED = object()
 OVERSIZED = object()
-from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
-from fleet.proto.contract import TOKEN_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
-#: Sees each valid batch's rows: (node name of the agent, rows). Called on a receiver thread.
+#: Sees each valid batch's rows: (node name of the agent, rows). Called on the loop thread.
 BatchObserver = Callable[[str, PreparedBatch], None]
 #: Takes one node check result: (node name of the agent, its "gemm" SdcCheckEvent).
 NodeCheckSink = Callable[[str, events_pb2.SdcCheckEvent], None]
 
+#: Batches of at most this many events are prepared on the loop; larger ones in the pool.
+INLINE_PREPARE_EVENTS = 64
+PREPARE_THREADS = 2
+STORE_THREADS = 2
+#: Longest a stream parked on a full writer queue waits before trying again, seconds
+#: (it is woken sooner by any ack; this covers a store outage, when nothing is acked).
+FULL_QUEUE_RETRY_S = 0.25
+
+T = TypeVar("T")
+
 
 @dataclass
 class AgentSession:
-    """One connected agent stream."""
+    """One connected agent stream. ``ack``, ``post`` and ``fail`` are thread-safe."""
 
     agent_id: str
     node_name: str
     epoch: int
     local_address: str
-    outbox: queue.Queue[agent_pb2.ControllerMessage] = field(default_factory=queue.Queue)
+    #: Messages for the agent not yet written to the stream (appended from any thread).
+    outbox: collections.deque[agent_pb2.ControllerMessage] = field(default_factory=collections.deque)
     last_heard: float = field(default_factory=time.monotonic)
     connected: bool = True
     failed: bool = False
     #: Set when the stream must end: the agent went away, or ``fail`` was called.
     done: threading.Event = field(default_factory=threading.Event)
     status: tuple[grpc.StatusCode, str] | None = None
+    #: The loop serving this stream (None: not served, e.g. a session built by a test).
+    loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    #: Called on the loop after messages were posted (the servicer's "the writer acked").
+    on_wake: Callable[[], None] | None = field(default=None, repr=False)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _wake_pending: bool = field(default=False, repr=False)
 
     def ack(self, msg: agent_pb2.ControllerMessage) -> None:
-        self.outbox.put(msg)
+        """Queue an ack for the stream (the writer thread calls this after a commit)."""
+        self.post(msg)
+
+    def post(self, msg: agent_pb2.ControllerMessage) -> None:
+        """Queue ``msg`` for the agent, from any thread."""
+        self.outbox.append(msg)
+        self._notify()
 
     def fail(self, reason: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
         """End this stream with ``code`` (the agent reconnects and resends what is unacked)."""
@@ -82,6 +129,31 @@ class AgentSession:
             self.status = (code, reason)
             log.warning("agent %s: closing its stream (%s): %s", self.agent_id, code.name, reason)
         self.done.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        # one wake-up per loop turn however many acks a commit produced
+        if self.loop is None or self._wake_pending:
+            return
+        self._wake_pending = True
+        try:
+            self.loop.call_soon_threadsafe(self._woken)
+        except RuntimeError:  # the loop is closed: the stream is gone, nobody reads this
+            self._wake_pending = False
+
+    def _woken(self) -> None:
+        self._wake_pending = False
+        self._wake.set()
+        if self.on_wake is not None:
+            self.on_wake()
+
+    async def wait_for_work(self) -> None:
+        """On the loop: return once the outbox has a message or the stream is done."""
+        while not self.outbox and not self.done.is_set():
+            self._wake.clear()
+            if self.outbox or self.done.is_set():
+                return
+            await self._wake.wait()
 
 
 class AgentRegistry:
@@ -124,10 +196,11 @@ class AgentRegistry:
                 self._lock.wait(min(left, 0.5))
 
     def send(self, node_name: str, command: events_pb2.Command) -> None:
+        """Hand ``command`` to the node's stream (any thread; returns at once)."""
         session = self.session(node_name)
         if session is None or not session.connected:
             raise UnavailableError(f"node {node_name} has no connected agent")
-        session.outbox.put(agent_pb2.ControllerMessage(command=command))
+        session.post(agent_pb2.ControllerMessage(command=command))
 
     def silent_for(self, now: float) -> dict[str, float]:
         """Seconds since each connected agent was last heard from (monotonic clock)."""
@@ -138,9 +211,11 @@ class AgentRegistry:
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     """Accepts agent streams, queues their batches for the writer, relays commands.
 
-    Owns the ``IngestWriter``; ``close()`` commits what is queued and stops it.
-    ``observer`` (optional) is shown every batch that passed validation, before the
-    writer gets it; ``on_node_check`` (optional) every node check result in one."""
+    ``Connect`` is a coroutine: serve it on a ``grpc.aio`` server (``ControllerServer``).
+    Owns the ``IngestWriter`` and two small thread pools; ``close()`` commits what is
+    queued and stops them. ``observer`` (optional) is shown every batch that passed
+    validation, before the writer gets it, on the loop thread; ``on_node_check``
+    (optional) every node check result in one, in the store pool."""
 
     def __init__(self, store: Store, registry: AgentRegistry, token: str, controller_id: str,
                  metrics: ControllerMetrics | None = None, observer: BatchObserver | None = None,
@@ -154,84 +229,103 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self._observer = observer
         self._observer_failed = False
         self._on_node_check = on_node_check
+        # threads start on first use: a servicer that never serves starts none
+        self._prepare_pool = futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="fleet-ctl-prepare")
+        self._store_pool = futures.ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="fleet-ctl-store")
+        self._acked: asyncio.Event | None = None   # pulsed on the loop when the writer acks
 
     def close(self) -> None:
-        """Commit what is queued, stop the writer and the metrics endpoint, if served."""
+        """Commit what is queued, stop the writer, the pools and the metrics endpoint."""
         self.writer.close()
+        self._prepare_pool.shutdown(wait=True, cancel_futures=True)
+        self._store_pool.shutdown(wait=True, cancel_futures=True)
         self.metrics.close()
 
-    def _refuse(self, context: grpc.ServicerContext, reason: str, code: grpc.StatusCode,
-                detail: str) -> None:
-        self.metrics.errors.labels(reason).inc()
-        context.abort(code, detail)
+    async def _in(self, pool: futures.Executor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    def Connect(
-        self, request_iterator: Iterator[agent_pb2.AgentMessage], context: grpc.ServicerContext
-    ) -> Iterator[agent_pb2.ControllerMessage]:
-        metadata = dict(context.invocation_metadata())
+    async def _refuse(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode,
+                      detail: str) -> None:
+        self.metrics.errors.labels(reason).inc()
+        await context.abort(code, detail)
+
+    def _pulse_acked(self) -> None:
+        if self._acked is not None:
+            self._acked.set()
+            self._acked.clear()   # the waiters already woken stay woken
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> None:
+        metadata = dict(context.invocation_metadata() or ())
         if not tokens_equal(metadata.get(TOKEN_METADATA_KEY), self._token):
-            self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED,
-                         f"missing or wrong {TOKEN_METADATA_KEY}")
+            await self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED,
+                               f"missing or wrong {TOKEN_METADATA_KEY}")
+        messages = request_iterator.__aiter__()
         try:
-            first = next(request_iterator)
-        except StopIteration:
+            first = await messages.__anext__()
+        except StopAsyncIteration:
             return
         if first is MALFORMED:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message is not an AgentMessage")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message is not an AgentMessage")
         if first is OVERSIZED:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the first message is over the size limit")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the first message is over the size limit")
         if first.WhichOneof("msg") != "hello" or not first.hello.node_name:
-            self._refuse(context, "protocol", grpc.StatusCode.INVALID_ARGUMENT,
-                         "the first message must be a Hello with node_name")
+            await self._refuse(context, "protocol", grpc.StatusCode.INVALID_ARGUMENT,
+                               "the first message must be a Hello with node_name")
         hello = first.hello
         if not tokens_equal(hello.token, self._token):
-            self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED,
-                         "wrong token in Hello")
+            await self._refuse(context, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED,
+                               "wrong token in Hello")
 
+        loop = asyncio.get_running_loop()
+        if self._acked is None:
+            self._acked = asyncio.Event()
         session = AgentSession(
             agent_id=hello.agent_id or f"agent-{hello.node_name}",
             node_name=hello.node_name,
             epoch=hello.epoch,
             local_address=hello.local_address,
+            loop=loop,
+            on_wake=self._pulse_acked,
         )
-        self._store.upsert_node(hello.node_name, hello.ray_node_id, hello.hostname, "{}")
-        committed = self._store.committed_seq(session.agent_id, session.epoch)
+        try:
+            committed = await self._in(self._store_pool, self._hello_rows, hello, session)
+        except UnavailableError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the controller's store is unavailable: {exc}")
         self._registry.attach(session)
         self.metrics.agents.inc()
         log.info("agent %s connected (epoch %d, committed seq %d)", session.agent_id, session.epoch, committed)
-
-        done = session.done
-        receiver = threading.Thread(
-            target=self._receive,
-            args=(request_iterator, session),
-            name=f"fleet-agent-rx-{session.node_name}",
-            daemon=True,
-        )
-        receiver.start()
-        yield agent_pb2.ControllerMessage(
-            welcome=agent_pb2.Welcome(controller_id=self._controller_id, committed_seq=committed)
-        )
+        reader: asyncio.Task[None] | None = None
         try:
-            while not done.is_set() and context.is_active():
-                try:
-                    yield session.outbox.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-            # drain acks produced just before the stream ended
-            while not session.outbox.empty() and context.is_active():
-                yield session.outbox.get_nowait()
+            await context.write(agent_pb2.ControllerMessage(
+                welcome=agent_pb2.Welcome(controller_id=self._controller_id, committed_seq=committed)))
+            reader = loop.create_task(self._receive(messages, session), name=f"fleet-agent-rx-{session.node_name}")
+            while True:
+                await session.wait_for_work()
+                # drain first: acks produced just before the stream ended still go out
+                while session.outbox:
+                    await context.write(session.outbox.popleft())
+                if session.done.is_set():
+                    break
             if session.status is not None:
-                context.abort(*session.status)
+                await context.abort(*session.status)
         finally:
-            done.set()
+            session.done.set()
+            if reader is not None and not reader.done():
+                reader.cancel()
             self._registry.detach(session)
             self.metrics.agents.dec()
             log.info("agent %s disconnected", session.agent_id)
 
-    def _receive(self, request_iterator: Iterator[agent_pb2.AgentMessage],
-                 session: AgentSession) -> None:
+    def _hello_rows(self, hello: agent_pb2.Hello, session: AgentSession) -> int:
+        """In the store pool: the node's row, and the highest seq committed for this epoch."""
+        self._store.upsert_node(hello.node_name, hello.ray_node_id, hello.hostname, "{}")
+        return self._store.committed_seq(session.agent_id, session.epoch)
+
+    async def _receive(self, messages: AsyncIterator[Any], session: AgentSession) -> None:
         try:
-            for msg in request_iterator:
+            async for msg in messages:
                 session.last_heard = time.monotonic()
                 if msg is MALFORMED:
                     session.fail("a message is not an AgentMessage", grpc.StatusCode.INVALID_ARGUMENT)
@@ -241,46 +335,60 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     return
                 kind = msg.WhichOneof("msg")
                 if kind == "batch":
-                    if not self._queue_batch(session, msg.batch):
+                    if not await self._queue_batch(session, msg.batch):
                         return
                 elif kind == "heartbeat":
                     h = msg.heartbeat.host
-                    self.writer.put_health(HealthRecord(
+                    self.writer.put_health(HealthRecord(   # never blocks
                         session.node_name, msg.heartbeat.time_ns, h.cpu_percent, h.load1,
                         h.mem_used_bytes, h.mem_total_bytes, h.workers_alive))
                 elif kind == "drop":
-                    self._record_agent_drop(session, msg.drop)
+                    await self._in(self._store_pool, self._record_agent_drop, session, msg.drop)
                 else:
                     self.metrics.errors.labels("protocol").inc()
                     session.fail(f"unexpected {kind or 'empty'} message after the Hello",
                                  grpc.StatusCode.INVALID_ARGUMENT)
                     return
-        except grpc.RpcError:
+        except asyncio.CancelledError:
+            raise
+        except (grpc.RpcError, grpc.aio.BaseError):
             pass  # the agent went away; it resends unacked batches on reconnect
         except Exception:
             log.exception("agent %s: receiving failed; closing its stream", session.agent_id)
             session.fail("the controller failed to read the stream")
         finally:
             session.done.set()
+            session._notify()
 
-    def _queue_batch(self, session: AgentSession, batch: agent_pb2.EventBatch) -> bool:
+    async def _queue_batch(self, session: AgentSession, batch: agent_pb2.EventBatch) -> bool:
         if batch.agent_id != session.agent_id or batch.epoch != session.epoch:
             self.metrics.errors.labels("protocol").inc()
             session.fail(f"batch for {batch.agent_id}/{batch.epoch} on the stream of "
                          f"{session.agent_id}/{session.epoch}", grpc.StatusCode.INVALID_ARGUMENT)
             return False
+        events = count_events(batch.events)
         try:
-            rows, rejected = prepare(batch.events), ""
+            if events <= INLINE_PREPARE_EVENTS:
+                rows, rejected = prepare(batch.events), ""
+            else:
+                rows, rejected = await self._in(self._prepare_pool, prepare, batch.events), ""
         except InvalidBatch as exc:
             rows, rejected = None, str(exc)
         if rows is not None and self._observer is not None:
             self._observe(session, rows)
-        item = Item(session, batch.epoch, batch.seq, rows, count_events(batch.events), rejected)
-        while not self.writer.put(item, timeout_s=0.5):
+        item = Item(session, batch.epoch, batch.seq, rows, events, rejected)
+        while not self.writer.put(item, timeout_s=0):
             if session.done.is_set():
                 return False
+            # parked: this stream reads nothing more until the writer has room
+            acked = self._acked
+            assert acked is not None
+            try:
+                await asyncio.wait_for(acked.wait(), FULL_QUEUE_RETRY_S)
+            except TimeoutError:
+                pass
         if rows is not None and rows.sdc and self._on_node_check is not None:
-            self._node_checks(session, batch.events)
+            await self._in(self._store_pool, self._node_checks, session, batch.events)
         return True
 
     def _node_checks(self, session: AgentSession, events: Iterable[events_pb2.Event]) -> None:
