@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,11 +115,13 @@ class Child:
 class Run:
     """One R: the controller, the agents and the store of one job."""
 
-    def __init__(self, args: argparse.Namespace, ranks: int, url: str, folder: Path) -> None:
+    def __init__(self, args: argparse.Namespace, ranks: int, url: str, folder: Path,
+                 store_pids: Callable[[], set[int]]) -> None:
         from fleet.controlplane.lifecycle import JobState
         from fleet.controlplane.store import Store
 
         self.args, self.ranks, self.url, self.folder = args, ranks, url, folder
+        self.store_pids = store_pids
         self.layout = Layout(ranks)
         self.schedule = Schedule(args.per_step, args.step_s)
         self.store = Store(url)
@@ -209,6 +212,7 @@ class Run:
         for a in self.agents:
             a.send({"cmd": "reset"})
         ctl0, agents0, t0 = self.ctl.cpu_s(), sum(a.cpu_s() for a in self.agents), time.monotonic()
+        store0 = _cpu_of(self.store_pids())
         seen: set[tuple[int, int]] = set()
         newest = 0
         lags: list[float] = []
@@ -233,11 +237,13 @@ class Run:
         took = time.monotonic() - t0
         ctl_cpu = (self.ctl.cpu_s() - ctl0) / took
         agents_cpu = (sum(a.cpu_s() for a in self.agents) - agents0) / took
+        store_cpu = _delta(store0, _cpu_of(self.store_pids())) / took
         st = self.stats()
         return {"controller_cpu_s_per_s": round(ctl_cpu, 3),
                 "controller_cpu_s_per_rank_s": ctl_cpu / self.ranks,
                 "controller_rss_mib": round(self.ctl.rss_mib(), 1),
                 "agents_cpu_s_per_s": round(agents_cpu, 3),
+                "store_cpu_s_per_s": round(store_cpu, 3),
                 "ingest_lag_s": round(p90(lags), 3) if lags else None, "lag_samples": len(lags),
                 "max_ack_gap_s": round(max(s["max_ack_gap_s"] for s in st), 3),
                 "agents_tick_cpu_s": round(max(s["tick_cpu_s"] for s in st), 4)}
@@ -309,6 +315,48 @@ class Run:
         self.store.close()
 
 
+def _cpu_of(pids: set[int]) -> dict[int, float]:
+    """CPU seconds so far of each live process of ``pids``."""
+    out = {}
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[pid] = t.user + t.system
+        except psutil.Error:
+            continue
+    return out
+
+
+def _delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds used between two ``_cpu_of`` readings (processes started since count whole)."""
+    return sum(v - before.get(pid, 0.0) for pid, v in after.items())
+
+
+def limits(r: dict) -> list[str]:
+    """Where R ``r`` misses the issue's targets (detect < 5 s p90, ingest lag <= 2 s, nobody
+    refused or starved, RSS <= 4 GiB, every hang named)."""
+    out = []
+    if r.get("broke"):
+        out.append(r["broke"])
+    if r.get("detect_s") is None or r["detect_s"] >= 5:
+        out.append(f"detect p90 {r.get('detect_s')} s (target < 5 s)")
+    if r.get("named") is not None and r["named"] < r.get("trials", 0):
+        out.append(f"hang named right {r['named']}/{r['trials']}")
+    if r.get("ingest_lag_s") is None or r["ingest_lag_s"] > 2:
+        out.append(f"ingest lag p90 {r.get('ingest_lag_s')} s (target <= 2 s)")
+    if r.get("refused"):
+        out.append(f"{r['refused']} stream(s) never welcomed")
+    if r.get("max_ack_gap_s") is not None and r["max_ack_gap_s"] > 2:
+        out.append(f"a stream waited {r['max_ack_gap_s']} s between acks (starved)")
+    if r.get("controller_rss_mib") is not None and r["controller_rss_mib"] > 4096:
+        out.append(f"controller RSS {r['controller_rss_mib']} MiB (target <= 4 GiB)")
+    if r.get("desync_ok") is False:
+        out.append("desync not named right")
+    if r.get("storm") and not r["storm"]["exactly_once"]:
+        out.append("reconnect storm: events lost or doubled")
+    return out
+
+
 def replay(url: str, job: str, culprit: int | None) -> dict:
     fleet = shutil.which("fleet", path=str(Path(sys.executable).parent)) or "fleet"
     t = time.monotonic()
@@ -321,10 +369,10 @@ def replay(url: str, job: str, culprit: int | None) -> dict:
 
 
 def run_one(args: argparse.Namespace, ranks: int, url: str, folder: Path, rng: random.Random,
-            last: bool) -> dict:
+            last: bool, store_pids: Callable[[], set[int]]) -> dict:
     _say(f"R={ranks:,}: {ranks // 8:,} streams over {min(args.agent_procs, ranks // 8)} agent process(es), "
          f"store {args.store}")
-    run = Run(args, ranks, url, folder)
+    run = Run(args, ranks, url, folder, store_pids)
     out: dict = {"ranks": ranks}
     try:
         took = run.wait_welcomed(120)
@@ -449,11 +497,24 @@ def main() -> int:
                 url = server.create_database()
             else:
                 url = args.postgres_url
-            results.append(run_one(args, ranks, url, folder, rng, last=i == len(args.ranks) - 1))
+            pids = server.pids if server is not None else set
+            results.append(run_one(args, ranks, url, folder, rng, i == len(args.ranks) - 1, pids))
+            results[-1]["misses"] = limits(results[-1])
+            _say(f"  targets missed at R={ranks:,}: {'; '.join(results[-1]['misses']) or 'none'}")
     finally:
         if server is not None:
             server.stop()
     last = results[-1]
+    _say("\n    ranks  detect_s  ingest_lag_s  ctl_cpu_us/rank_s  ctl_rss_mib  agents_cpu  store_cpu  named")
+    for r in results:
+        cpu = r.get("controller_cpu_s_per_rank_s")
+        _say(f"  {r['ranks']:7,}  {r.get('detect_s')!s:>8}  {r.get('ingest_lag_s')!s:>12}  "
+             f"{'-' if cpu is None else f'{cpu * 1e6:.1f}':>17}  {r.get('controller_rss_mib')!s:>11}  "
+             f"{r.get('agents_cpu_s_per_s')!s:>10}  {r.get('store_cpu_s_per_s')!s:>9}  "
+             f"{r.get('named')}/{r.get('trials')}")
+    first_miss = next(((r["ranks"], r["misses"]) for r in results if r["misses"]), None)
+    _say("breaks first: " + (f"R={first_miss[0]:,}: {'; '.join(first_miss[1])}" if first_miss else
+                             "nowhere in this run"))
     storm = next((r["storm"] for r in reversed(results) if "storm" in r), None)
     out = {
         "ranks": [r["ranks"] for r in results],
@@ -473,8 +534,11 @@ def main() -> int:
         "replay_names_culprit": last.get("replay_names_culprit"),
         "reconnect_s_2048": storm["reconnect_s"] if storm and storm["streams"] >= 2048 else None,
         "reconnect": storm,
+        "store_cpu_s_per_s": [r.get("store_cpu_s_per_s") for r in results],
         "store": args.store,
         "broke": [r.get("broke") for r in results],
+        "misses": [r["misses"] for r in results],
+        "breaks_first": first_miss[0] if first_miss else None,
     }
     print(json.dumps(out))
     return 0

@@ -206,6 +206,12 @@ class Node:
         self.unacked.append((seq, _length_delimited(AGENT_MESSAGE_BATCH_TAG, batch)))
         self.wake.set()
 
+    def emit(self, now_ns: int, views: dict, template: _Template) -> None:
+        """Queue this tick's batch, if there is anything to send."""
+        events, fronts = self.tick(now_ns, views, template)
+        if events or fronts:
+            self.add_batch(events, fronts)
+
     def tick(self, now_ns: int, views: dict, template: _Template) -> tuple[list[events_pb2.Event], bytes]:
         """This node's events of the attempt as of ``now_ns``: (events, its encoded fronts
         event or b"")."""
@@ -467,26 +473,40 @@ class Agents:
                 continue
             started = time.process_time()
             now_ns = time.time_ns()
-            s, t0, f = self.schedule, self.t0_ns, self.fault
-            g, gc = s.entered(t0, now_ns), s.completed(t0, now_ns)
-            if f is None:
-                views = {"all": _Kinds(s, t0, g, gc, None, False)}
-                views["culprit"] = views["all"]
-            else:
-                ce, cc = f.caps(-1)
-                he, hc = f.caps(f.rank)
-                desync = f if f.kind == "desync" else None
-                views = {"all": _Kinds(s, t0, min(g, ce), min(gc, cc), None, False),
-                         "culprit": _Kinds(s, t0, min(g, he), min(gc, hc), desync, True)}
-            template = _Template(self, views["all"], self._last_e, self._last_c)
-            self._last_e, self._last_c = template.e, template.c
+            views, template = self.prepare(now_ns)
             for i, n in enumerate(self.nodes):
-                events, fronts = n.tick(now_ns, views, template)
-                if events or fronts:
-                    n.add_batch(events, fronts)
+                n.emit(now_ns, views, template)
                 if i % 64 == 63:
                     await asyncio.sleep(0)
             self.tick_s.append(time.process_time() - started)
+
+    def prepare(self, now_ns: int) -> tuple[dict, _Template]:
+        """One tick's shared values: per kind of group, what a rank following the schedule
+        shows ("all") and what the fault's culprit shows ("culprit"), and the template of
+        every node in step."""
+        s, t0, f = self.schedule, self.t0_ns, self.fault
+        g, gc = s.entered(t0, now_ns), s.completed(t0, now_ns)
+        if f is None:
+            views = {"all": _Kinds(s, t0, g, gc, None, False)}
+            views["culprit"] = views["all"]
+        else:
+            ce, cc = f.caps(-1)
+            he, hc = f.caps(f.rank)
+            desync = f if f.kind == "desync" else None
+            views = {"all": _Kinds(s, t0, min(g, ce), min(gc, cc), None, False),
+                     "culprit": _Kinds(s, t0, min(g, he), min(gc, hc), desync, True)}
+        template = _Template(self, views["all"], self._last_e, self._last_c)
+        self._last_e, self._last_c = template.e, template.c
+        return views, template
+
+    def start_attempt(self, job: str, attempt: int, t0_ns: int) -> None:
+        """Emit ``attempt`` of ``job`` from ``t0_ns`` on (the fault cleared)."""
+        self.job, self.attempt, self.t0_ns, self.fault = job, attempt, t0_ns, None
+        self.frozen = False
+        self._last_e = np.zeros((RANKS_PER_NODE, len(KINDS)), dtype=np.int64)
+        self._last_c = np.zeros_like(self._last_e)
+        for n in self.nodes:
+            n.reset_attempt(self._last_e, self._last_c)
 
     async def _heartbeats(self) -> None:
         while True:
@@ -507,12 +527,7 @@ class Agents:
             cmd = json.loads(line)
             what = cmd["cmd"]
             if what == "attempt":
-                self.job, self.attempt, self.t0_ns, self.fault = cmd["job"], cmd["attempt"], cmd["t0_ns"], None
-                self.frozen = False
-                self._last_e = np.zeros((RANKS_PER_NODE, len(KINDS)), dtype=np.int64)
-                self._last_c = np.zeros_like(self._last_e)
-                for n in self.nodes:
-                    n.reset_attempt(self._last_e, self._last_c)
+                self.start_attempt(cmd["job"], cmd["attempt"], cmd["t0_ns"])
             elif what == "fault":
                 self.fault = Fault(cmd["kind"], cmd["rank"], cmd["op_index"])
             elif what == "freeze":
