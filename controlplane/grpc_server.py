@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Coroutine
 from concurrent import futures
 from typing import Any, TypeVar
@@ -50,6 +51,10 @@ CONTROL_THREADS = 16
 #: thousand agents connect at once, as after a controller restart; a held call costs a
 #: few KiB, and the loop takes them up in a few seconds.
 MAX_PENDING_CALLS = 32_768
+#: After the server stopped: longest to wait for its streams' tasks to end, and how long
+#: the loop then keeps running for gRPC's last completions, seconds (see ``_stop``).
+STOP_WAIT_S = 5.0
+STOP_DRAIN_S = 0.2
 #: Longest the loop thread may take to start the server or to stop it, seconds.
 LOOP_CALL_TIMEOUT_S = 30.0
 
@@ -165,13 +170,15 @@ class ControllerServer:
     async def _stop(self, grace_s: float) -> None:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace_s)
-        # what the server's stop left (a stream's reader task): cancel it, let it unwind
+        # the streams' handlers unwind (each cancels its reader task) and gRPC sends their
+        # last operations; wait for that, bounded, but cancel nothing of gRPC's own. Closing
+        # the loop before gRPC completed them makes it log an error per stream ("Event loop
+        # is closed") on whatever loop it uses next.
         here = asyncio.current_task()
-        left = [t for t in asyncio.all_tasks() if t is not here]
-        for task in left:
-            task.cancel()
-        if left:
-            await asyncio.wait(left, timeout=2.0)
+        deadline = time.monotonic() + STOP_WAIT_S
+        while (left := [t for t in asyncio.all_tasks() if t is not here]) and time.monotonic() < deadline:
+            await asyncio.wait(left, timeout=deadline - time.monotonic())
+        await asyncio.sleep(STOP_DRAIN_S)
 
     # -- the public face ------------------------------------------------------------------
 
