@@ -14,8 +14,8 @@ entries (``CollectiveColumns``) of the newest ``last`` sequence numbers of each 
 (rank, group), consistent with the fronts sent. Streams share a few channels (one TCP
 connection per ``STREAMS_PER_CHANNEL``).
 
-Delivery: batches stay until acked; after a reconnect (jittered backoff,
-``reconnect_delay``) those above the Welcome's committed_seq are sent again in order, so
+Delivery: batches stay until acked; after a reconnect (``fleet.agent.backoff``'s jittered
+delays, the real agents' policy) those above the Welcome's committed_seq are sent again in order, so
 the controller stores each exactly once. All nodes' fronts come from one vectorised
 computation per tick (every rank follows the same schedule; only a fault's culprit
 differs).
@@ -46,6 +46,7 @@ import numpy as np
 from bench.scale_schedule import (
     DESYNC_OP, DTYPES, KINDS, RANKS_PER_NODE, Fault, Layout, Schedule, agent_id, node_name, steps_done,
 )
+from fleet.agent import backoff
 from fleet.proto import agent_pb2, events_pb2
 from fleet.proto.columns import pack as pack_columns
 from fleet.proto.contract import (
@@ -56,21 +57,17 @@ from fleet.proto.fronts import signature
 
 STREAMS_PER_CHANNEL = 64
 HEARTBEAT_INTERVAL_S = 1.0
-RECONNECT_BASE_S = 0.1
 RECONNECT_MAX_S = 2.0
 DEFAULT_PULL_LAST = 64
 OP_NAMES = ["all_gather", "reduce_scatter", "broadcast", "all_reduce", DESYNC_OP[0]]
+_RNG = random.Random()  # seeded from the OS: processes do not draw alike
 _DESYNC_SIG = signature(DESYNC_OP[0], DESYNC_OP[1], DTYPES, DESYNC_OP[1], DTYPES)
 
 
 def reconnect_delay(attempt: int) -> float:
-    """Seconds before reconnect number ``attempt`` (1-based): full jitter over an
-    exponential bound, as helper A's ``fleet.agent.backoff`` policy (used when present)."""
-    try:
-        from fleet.agent import backoff  # noqa: PLC0415 - optional until it lands
-        return float(backoff.delay(attempt))
-    except (ImportError, AttributeError, TypeError):
-        return random.uniform(0, min(RECONNECT_MAX_S, RECONNECT_BASE_S * 2 ** attempt))
+    """Seconds before reconnect number ``attempt`` (1-based): the agents' own policy,
+    ``fleet.agent.backoff`` (full jitter, capped exponential), with this process's draws."""
+    return backoff.delay(attempt - 1, _RNG.random(), max_s=RECONNECT_MAX_S)
 
 
 class _Kinds:
