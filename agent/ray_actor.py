@@ -23,10 +23,12 @@ class AgentActor:
     the new agent unchanged."""
 
     def __init__(self, *, node_name: str, ray_node_id: str, controller_address: str, token: str,
-                 settings: AgentSettings, local_port: int, tls: TlsFiles | None) -> None:
+                 settings: AgentSettings, local_port: int, tls: TlsFiles | None,
+                 bind_host: str = "127.0.0.1") -> None:
+        """``bind_host``: where the worker channel listens (cluster.yaml's ``agent.host``)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self._agent = NodeAgent(node_name=node_name, ray_node_id=ray_node_id, controller_address=controller_address,
-                                token=token, settings=settings, local_port=local_port, tls=tls)
+                                token=token, settings=settings, bind_host=bind_host, local_port=local_port, tls=tls)
 
     def start(self, connect_timeout_s: float = 30.0) -> str:
         """Start serving and connect; returns the local address workers report to."""

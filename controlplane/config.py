@@ -35,6 +35,7 @@ from pydantic.fields import FieldInfo
 
 from fleet.agent.settings import AGENT_SECTION_FIELDS, GEMM_FIELDS, AgentSettings, check_batch_fits_memory
 from fleet.controlplane import chaos
+from fleet.controlplane.addresses import check_host, check_ray_address, is_wildcard
 from fleet.controlplane.errors import ConfigError
 from fleet.controlplane.sdc import copies_problem
 from fleet.proto.contract import MESSAGE_HEADROOM_BYTES
@@ -95,8 +96,10 @@ class RayConfig(_Section):
 
     address: str | None = Field(
         None,
-        description="Address of an existing Ray cluster to attach to (e.g. 127.0.0.1:6379). "
-        "Unset: start a local cluster of `nodes` simulated nodes on 127.0.0.1.",
+        description="Address of an existing Ray cluster to attach to: the head's GCS address HOST:PORT that "
+        "`ray start --head` prints (e.g. 10.0.0.1:6379), or auto (the cluster this host belongs to). `fleet up` "
+        "runs on a node of that cluster; every Ray node gets one agent. Unset: start a local cluster of `nodes` "
+        "simulated nodes on 127.0.0.1.",
     )
     nodes: int = Field(2, ge=1, le=16, description="Local mode: simulated nodes (one raylet each).")
     cpus_per_node: int = Field(
@@ -105,6 +108,11 @@ class RayConfig(_Section):
     object_store_mb: int = Field(
         128, ge=64, le=65536, description="Local mode: object store size per node, MiB."
     )
+
+    @field_validator("address")
+    @classmethod
+    def _gcs_address(cls, value: str | None) -> str | None:
+        return None if value is None else check_ray_address(value)
 
 
 class TlsConfig(_Section):
@@ -164,7 +172,17 @@ class TlsConfig(_Section):
 class ControllerConfig(_Section):
     """The controller's gRPC endpoint and liveness timing."""
 
-    host: str = Field("127.0.0.1", description="Address the controller's gRPC servers bind to.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the controller's gRPC and metrics servers bind to (an IP or host name; 0.0.0.0 = "
+        "every interface). Agents on other hosts must reach it: see advertise_host.",
+    )
+    advertise_host: str | None = Field(
+        None,
+        description="Address agents dial to reach the controller (host only; the port is the one bound). Unset: "
+        "`host`, or, when that is a wildcard (0.0.0.0, ::), the IP Ray reports for the node `fleet up` runs on. "
+        "With TLS the server certificate's SAN must name it.",
+    )
     port: int = Field(0, ge=0, le=65535, description="Port for the controller (0 = any free port).")
     heartbeat_interval_s: float = _field(AgentSettings, "heartbeat_interval_s")
     heartbeat_timeout_s: float = Field(
@@ -182,6 +200,21 @@ class ControllerConfig(_Section):
         description="Port of the controller's Prometheus /metrics endpoint on `host` (0 = none).",
     )
     tls: TlsConfig = Field(default_factory=TlsConfig, description="Mutual TLS.")
+
+    @field_validator("host")
+    @classmethod
+    def _bind_host(cls, value: str) -> str:
+        return check_host(value)
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _dial_host(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        check_host(value)
+        if is_wildcard(value):
+            raise ValueError(f"{value} listens on every interface; give an address agents can dial")
+        return value
 
 
 class StoreConfig(_Section):
@@ -204,7 +237,8 @@ class AgentConfig(create_model(
     The batching and buffering fields are ``fleet.agent.settings.AgentSettings``'s (the
     agent owns them; ``ClusterConfig.agent_settings()`` is the object agents are started
     with), the two reporting intervals ``fleet.workers.spec.WorkerSpec``'s.
-    ``raw_ingest_max_ranks`` is the controller's: it decides ``AgentSettings.collective_fronts``."""
+    ``raw_ingest_max_ranks`` is the controller's: it decides ``AgentSettings.collective_fronts``;
+    ``host`` is the launcher's (``orchestrator.AgentSet`` binds each agent's worker channel there)."""
 
     raw_ingest_max_ranks: int = Field(
         512, ge=1, le=1 << 20,
@@ -212,6 +246,16 @@ class AgentConfig(create_model(
         "instead of every collective: agents keep the raw entries (agent.ring_entries per rank and group) and "
         "send them when the controller suspects a hang or desync, so `fleet replay` shows those around it.",
     )
+    host: str = Field(
+        "127.0.0.1",
+        description="Address each node agent's worker channel binds to, on every node (so loopback, a "
+        "wildcard or a name every node resolves for itself); only the node's own ranks connect to it.",
+    )
+
+    @field_validator("host")
+    @classmethod
+    def _bind_host(cls, value: str) -> str:
+        return check_host(value)
 
     @model_validator(mode="after")
     def _batch_fits_memory(self) -> AgentConfig:

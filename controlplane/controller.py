@@ -211,7 +211,7 @@ class Controller:
             self.store.upsert_node(n.name, n.ray_node_id, n.address, f'{{"CPU": {n.cpus}}}')
         self._progress("starting agents")
         t = time.monotonic()
-        agents.start(nodes, self.address, self._token, cfg.agent_settings(), cfg.controller)
+        agents.start(nodes, self.address, self._token, cfg.agent_settings(), cfg.controller, bind_host=cfg.agent.host)
         missing = self._registry.wait_for({n.name for n in nodes}, cfg.controller.agent_start_timeout_s)
         if missing:
             raise UnavailableError(f"no agent connected from node(s) {sorted(missing)}")

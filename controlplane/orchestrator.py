@@ -2,8 +2,11 @@
 
 Local mode starts a multi-raylet Ray cluster entirely on 127.0.0.1 (one raylet per
 simulated node, each with a ``fleet-node-<i>`` custom resource); attach mode joins an
-existing cluster at ``ray.address``. Agents and workers are pinned to their node with
-hard node-affinity. This is the only module of the controller that imports Ray.
+existing cluster at ``ray.address`` (started with ``ray start --head`` / ``ray start
+--address``; its nodes are named ``<node IP>-<node id prefix>``). Every alive Ray node gets
+one agent; agents and workers are pinned to their node with hard node-affinity. Agents
+bind their worker channel on ``agent.host`` and dial the controller at the address
+``addresses.dial_host`` gives. This is the only module of the controller that imports Ray.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 from typing import Any
 
 from fleet.agent.settings import AgentSettings
+from fleet.controlplane.addresses import dial_host, is_wildcard, join_host_port, port_of
 from fleet.controlplane.config import ControllerConfig, RayConfig
 from fleet.controlplane.errors import UnavailableError
 from fleet.controlplane.runtime import NodeInfo, RankFailure
@@ -122,16 +126,22 @@ class AgentSet:
         token: str,
         settings: AgentSettings,
         controller: ControllerConfig,
+        bind_host: str = "127.0.0.1",
     ) -> None:
         """Start an agent on every node, each with ``settings`` (``ClusterConfig.agent_settings()``),
-        dialling ``controller_address`` with ``controller``'s TLS files; waits at most
-        ``controller.agent_start_timeout_s`` for them."""
+        serving its workers on ``bind_host`` (``agent.host``) and dialling the controller bound at
+        ``controller_address`` (``host:port``) with ``controller``'s TLS files, at the host
+        ``controller.advertise_host``, ``controller.host`` or, for a wildcard bind, this node's
+        IP as Ray reports it; waits at most ``controller.agent_start_timeout_s`` for them."""
         self._start_timeout_s = controller.agent_start_timeout_s
+        node_ip = ray.util.get_node_ip_address() if is_wildcard(controller.host) else ""
+        host = dial_host(controller.host, controller.advertise_host, node_ip)
         self._args = dict(
-            controller_address=controller_address,
+            controller_address=join_host_port(host, port_of(controller_address)),
             token=token,
             settings=settings,
             tls=controller.tls.client_files(),
+            bind_host=bind_host,
         )
         for node in nodes:
             self._nodes[node.name] = node
@@ -169,7 +179,7 @@ class AgentSet:
         """Start a new agent on ``node`` serving the same local address (its workers'
         reporters reconnect by themselves); kills the old one first. Returns the address."""
         self.kill(node)
-        port = int(self.local_addresses[node].rsplit(":", 1)[1])
+        port = port_of(self.local_addresses[node])
         deadline = time.monotonic() + self._start_timeout_s
         while True:
             actor = self._new_actor(self._nodes[node], local_port=port)

@@ -90,8 +90,9 @@ class Agents(Protocol):
         """Where each node's workers report (host:port), by node name."""
 
     def start(self, nodes: list[NodeInfo], controller_address: str, token: str, settings: AgentSettings,
-              controller: ControllerConfig) -> None:
-        """Start an agent on every node and wait for their local addresses."""
+              controller: ControllerConfig, bind_host: str = "127.0.0.1") -> None:
+        """Start an agent on every node, its worker channel on ``bind_host`` (``agent.host``),
+        dialling the controller bound at ``controller_address``; wait for their local addresses."""
 
     def alive(self, node: str, timeout_s: float = 2.0) -> bool:
         """Whether the node's agent process answers (not through its gRPC stream)."""

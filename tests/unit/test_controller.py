@@ -84,9 +84,9 @@ class InProcessAgents:
         return agent
 
     def start(self, nodes: list[NodeInfo], controller_address: str, token: str, settings: AgentSettings,
-              controller: ControllerConfig) -> None:
+              controller: ControllerConfig, bind_host: str = "127.0.0.1") -> None:
         self._kwargs = dict(controller_address=controller_address, token=token, settings=settings,
-                            tls=controller.tls.client_files())
+                            tls=controller.tls.client_files(), bind_host=bind_host)
         for n in nodes:
             self._agent(n.name, 0)
 
