@@ -380,7 +380,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         while not self.writer.put(item, timeout_s=0):
             if session.done.is_set():
                 return False
-            # parked: this stream reads nothing more until the writer has room
+            # parked: this stream reads nothing more until the writer has room. The agent
+            # is not silent, the controller is slow: it still counts as heard from
+            session.last_heard = time.monotonic()
             acked = self._acked
             assert acked is not None
             try:

@@ -43,7 +43,8 @@ intervals) for the flight recorder's verdict to hold.
 A large job (its agents send collective fronts, not collectives): the fronts are folded
 into ``controlplane.wavefront.Wavefronts``; while a hang is suspected, its verdict names
 the suspects and their groups, the agents of those groups' members are asked for their
-newest ``PULL_ENTRIES`` raw entries (a ``TracePull`` through ``send``), and once every
+newest ``PULL_ENTRIES`` raw entries (a ``TracePull`` through ``send``; already at half
+the hang threshold, so that they are stored when it passes), and once every
 member's entries are stored the flight recorder diagnoses those groups. Entries that do
 not come within ``PULL_WAIT_S`` leave the decision to the fronts' own verdict. The
 straggler check and the collective-cadence hang threshold of jobs without steps need raw
@@ -98,7 +99,7 @@ DIAGNOSIS_SEQS = 64
 LAG_SAMPLES = 64
 #: Batches queued for the thread at most (it drains them every interval); beyond it the
 #: oldest are dropped.
-INBOX_MAX = 10_000
+INBOX_MAX = 50_000
 
 #: Gaps between one rank's consecutive collective enters remembered, per rank of the
 #: attempt (pooled over ranks): the collective hang threshold is taken over them. Enough
@@ -386,7 +387,9 @@ class Watchdog:
             started, fresh = self._collectives(w, batch.collective_rows())
             # Without steps, completions are the progress judged, so their delivery counts too.
             new = started if w.last_end_ns else fresh
-            if new is not None:
+            # A large job's collectives are entries pulled on suspicion, old by design:
+            # their age is not delivery lag (its fronts' is)
+            if new is not None and not (w.fronts is not None and w.fronts.rows_applied):
                 oldest_new = new if oldest_new is None else min(oldest_new, new)
             found += self._stragglers(w)
         if oldest_new is not None:
@@ -537,8 +540,23 @@ class Watchdog:
         stalled = (horizon_ns - max(w.last_end_ns.values())) / 1e9
         threshold = detectors.hang_threshold_s(w.step_times, cfg.hang_factor, cfg.hang_floor_s)
         if stalled <= threshold:
+            if stalled > threshold / 2:
+                self._prefetch(w, horizon_ns, threshold / 2)
             return None
         return "stall", stalled, threshold, horizon_ns, self._progress(w, now_ns), None
+
+    def _prefetch(self, w: _Watched, horizon_ns: int, settle_s: float) -> None:
+        """A large job stalled for half its hang threshold: ask for the raw entries of the
+        suspect the fronts show already, so that they are stored when the threshold passes
+        (a hang's entries no longer change; a stall that resolves cost one small pull)."""
+        if self._send is None or w.fronts is None or not w.fronts.rows_applied:
+            return
+        front = w.fronts.verdict(horizon_ns, settle_s)
+        if front is not None:
+            key = (front.verdict, tuple(front.culprits), tuple(front.groups))
+            if key != w.pull_key:
+                w.pull_key, w.pull_sent = key, time.monotonic()
+                self._pull(w, front)
 
     def _collective_suspect(self, w: _Watched, now_ns: int, horizon_ns: int) -> tuple | None:
         """A job without steps: stalled since its newest collective enter or completion,

@@ -472,20 +472,26 @@ def write(session: Session, batches: Sequence[PreparedBatch]) -> None:
     collectives = list(itertools.chain.from_iterable(b.collectives for b in batches))
     if collectives:
         _write_collectives(session, collectives)
+    # plain inserts and idempotent upserts: one statement each for all the batches (a
+    # thousand agents' small batches must not cost a thousand statements)
+    steps = list(itertools.chain.from_iterable(b.steps for b in batches))
+    if steps:
+        session.execute(insert(Step.__table__), steps)
+    groups = {k: v for b in batches for k, v in b.groups.items()}
+    if groups:
+        session.execute(
+            upsert(dialect_name, ProcessGroupRow.__table__, ["job_id", "attempt", "rank", "group_name"],
+                   {col: (lambda ex, col=col: ex[col]) for col in ("desc", "ranks")}),
+            list(groups.values()))
+    statuses = list(itertools.chain.from_iterable(b.statuses for b in batches))
+    if statuses:
+        session.execute(insert(WorkerStatusRow.__table__), statuses)
     for batch in batches:
         _write_other(session, dialect_name, batch)
 
 
 def _write_other(session: Session, dialect_name: str, batch: PreparedBatch) -> None:
-    if batch.steps:
-        session.execute(insert(Step.__table__), batch.steps)
-    if batch.groups:
-        session.execute(
-            upsert(dialect_name, ProcessGroupRow.__table__, ["job_id", "attempt", "rank", "group_name"],
-                   {col: (lambda ex, col=col: ex[col]) for col in ("desc", "ranks")}),
-            list(batch.groups.values()))
-    if batch.statuses:
-        session.execute(insert(WorkerStatusRow.__table__), batch.statuses)
+    """What must be applied batch by batch, in order (checkpoints, SDC checks, restores)."""
     if batch.checkpoints:
         cols = ["attempt", "path", "manifest_sha256", "save_s", "valid", "created_at"]
         session.execute(

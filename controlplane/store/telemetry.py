@@ -56,6 +56,10 @@ def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
 class TelemetryMethods(StoreBase):
     """The Store's ingest and telemetry-query methods (a mixin of ``store.Store``)."""
 
+    #: Batches whose keys one multi-row INSERT ... RETURNING marks (SQLite's limit on
+    #: bound parameters is 32,766; five per batch).
+    MARKER_CHUNK = 1000
+
     # -- ingest ---------------------------------------------------------------------------
 
     def record_batch(self, agent_id: str, epoch: int, seq: int,
@@ -70,18 +74,26 @@ class TelemetryMethods(StoreBase):
         """Store prepared batches ``(agent_id, epoch, seq, rows)`` in one transaction (a
         group commit); per batch, True if stored now, False if it already was. All or
         nothing: on an error none of them is stored."""
-        # RETURNING tells a fresh key from one already stored (rowcount is not reliable).
-        marker = upsert(self.dialect, IngestBatch.__table__, ["agent_id", "epoch", "seq"],
-                        None).returning(IngestBatch.__table__.c.seq)
+        # RETURNING tells fresh keys from those already stored (rowcount is not reliable):
+        # one multi-row statement per chunk of batches, not one per batch
+        t = IngestBatch.__table__
         fresh: list[bool] = []
         try:
             with self._tx(write=True) as s:
                 now = time.time()
-                for agent_id, epoch, seq, rows in batches:
-                    res = s.connection().execute(marker, {
-                        "agent_id": agent_id, "epoch": epoch, "seq": seq,
-                        "committed_at": now, "n_events": rows.events})
-                    fresh.append(res.first() is not None)
+                keys = [(agent_id, epoch, seq) for agent_id, epoch, seq, _ in batches]
+                new_keys: set[tuple] = set()
+                for i in range(0, len(batches), self.MARKER_CHUNK):
+                    chunk = batches[i:i + self.MARKER_CHUNK]
+                    marker = upsert(self.dialect, t, ["agent_id", "epoch", "seq"], None).values([
+                        {"agent_id": agent_id, "epoch": epoch, "seq": seq, "committed_at": now,
+                         "n_events": rows.events} for agent_id, epoch, seq, rows in chunk
+                    ]).returning(t.c.agent_id, t.c.epoch, t.c.seq)
+                    new_keys.update(tuple(r) for r in s.connection().execute(marker))
+                seen: set[tuple] = set()
+                for key in keys:  # the same key twice in one call: the first is the fresh one
+                    fresh.append(key in new_keys and key not in seen)
+                    seen.add(key)
                 ingest.write(s, [rows for (*_, rows), new in zip(batches, fresh) if new])
         except (IntegrityError, DataError) as e:
             raise ingest.InvalidBatch(f"the store refused it: {e.orig}") from e
@@ -406,3 +418,216 @@ class TelemetryMethods(StoreBase):
             enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
             exit_estimated=bool(r.exit_estimated),
         ) for r in rows]
+
+    # -- a large job's replay (``fleet replay`` of an attempt with fronts) -----------------
+    # Narrow, bounded reads: aggregates computed in SQL, JSON member lists parsed only for
+    # the groups asked for, nodes only of the ranks asked for; nothing per rank in Python.
+
+    def count_fronts_of(self, job_id: str, attempt: int, *, ranks: Sequence[int] | None = None,
+                        groups: Sequence[str] | None = None) -> int:
+        """How many fronts ``fronts(job_id, attempt, ranks=, groups=)`` holds, over all pages."""
+        c = CollectiveFront.__table__.c
+        stmt = (select(func.count()).select_from(CollectiveFront.__table__)
+                .where(c.job_id == job_id, c.attempt == attempt))
+        if ranks is not None:
+            stmt = stmt.where(c.rank.in_(list(ranks)))
+        if groups is not None:
+            stmt = stmt.where(c.group_name.in_(list(groups)))
+        with self._tx(write=False) as s:
+            return int(s.scalar(stmt) or 0)
+
+    def _fronts_with_desc(self, job_id: str, attempt: int):  # noqa: ANN202 (a SQLAlchemy subquery)
+        """The attempt's fronts with the ``desc`` their rank declared of the group ("" if none)."""
+        f = CollectiveFront.__table__.c
+        p = ProcessGroupRow.__table__.c
+        is_open = case((f.entered_seq > f.completed_seq, 1), else_=0)
+        return (select(f.rank, f.group_name, f.entered_seq, f.completed_seq, f.entered_ns, f.op,
+                       func.coalesce(p.desc, "").label("desc"), is_open.label("is_open"),
+                       func.max(f.entered_seq).over(partition_by=f.group_name).label("top"))
+                .select_from(CollectiveFront.__table__.outerjoin(
+                    ProcessGroupRow.__table__,
+                    (p.job_id == f.job_id) & (p.attempt == f.attempt) & (p.rank == f.rank)
+                    & (p.group_name == f.group_name)))
+                .where(f.job_id == job_id, f.attempt == attempt).subquery())
+
+    def front_kinds(self, job_id: str, attempt: int) -> dict[str, Any]:
+        """The whole attempt's fronts in a few numbers: ``ranks`` (with a front), ``waiting``
+        (ranks with an open front: entered, not completed), and ``kinds``, one dict per
+        group description (``desc``): ``groups``, ``fronts``, ``open`` (fronts),
+        ``waiting`` (ranks), ``behind`` (fronts below their group's newest seq),
+        ``oldest_open_ns`` (the earliest entry of an open front; None without one)."""
+        q = self._fronts_with_desc(job_id, attempt)
+        behind = case((q.c.entered_seq < q.c.top, 1), else_=0)
+        per_kind = (select(q.c.desc, func.count(func.distinct(q.c.group_name)), func.count(),
+                           func.sum(q.c.is_open), func.count(func.distinct(case((q.c.is_open == 1, q.c.rank)))),
+                           func.sum(behind), func.min(case((q.c.is_open == 1, q.c.entered_ns))))
+                    .group_by(q.c.desc).order_by(q.c.desc))
+        f = CollectiveFront.__table__.c
+        where = (f.job_id == job_id, f.attempt == attempt)
+        with self._tx(write=False) as s:
+            ranks = s.scalar(select(func.count(func.distinct(f.rank))).where(*where))
+            waiting = s.scalar(select(func.count(func.distinct(f.rank)))
+                               .where(*where, f.entered_seq > f.completed_seq))
+            kinds = [{"desc": d, "groups": int(g), "fronts": int(n), "open": int(o or 0), "waiting": int(w),
+                      "behind": int(b or 0), "oldest_open_ns": None if t is None else int(t)}
+                     for d, g, n, o, w, b, t in s.execute(per_kind)]
+        return {"ranks": int(ranks or 0), "waiting": int(waiting or 0), "kinds": kinds}
+
+    def front_groups(self, job_id: str, attempt: int, *, groups: Sequence[str] | None = None,
+                     offset: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
+        """Per process group of the attempt (ordered by name; ``offset``/``limit`` page): its
+        ``desc``, ``fronts``, lowest and newest ``entered_seq`` (``min_seq``, ``top_seq``),
+        ``open`` fronts, fronts ``behind`` the newest seq, ``oldest_open_ns`` and ``ops``
+        (distinct ops entered), computed in SQL."""
+        q = self._fronts_with_desc(job_id, attempt)
+        behind = case((q.c.entered_seq < q.c.top, 1), else_=0)
+        stmt = (select(q.c.group_name, func.max(q.c.desc), func.count(), func.min(q.c.entered_seq),
+                       func.max(q.c.entered_seq), func.sum(q.c.is_open), func.sum(behind),
+                       func.min(case((q.c.is_open == 1, q.c.entered_ns))), func.count(func.distinct(q.c.op)))
+                .group_by(q.c.group_name).order_by(q.c.group_name).offset(offset))
+        if groups is not None:
+            stmt = stmt.where(q.c.group_name.in_(list(groups)))
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        with self._tx(write=False) as s:
+            return [{"group": g, "desc": d or "", "fronts": int(n), "min_seq": int(lo), "top_seq": int(hi),
+                     "open": int(o or 0), "behind": int(b or 0), "oldest_open_ns": None if t is None else int(t),
+                     "ops": int(ops)}
+                    for g, d, n, lo, hi, o, b, t, ops in s.execute(stmt)]
+
+    def count_front_groups(self, job_id: str, attempt: int) -> int:
+        """How many process groups the attempt's fronts cover (``front_groups``' rows)."""
+        c = CollectiveFront.__table__.c
+        with self._tx(write=False) as s:
+            return int(s.scalar(select(func.count(func.distinct(c.group_name)))
+                                .where(c.job_id == job_id, c.attempt == attempt)) or 0)
+
+    def declared_groups(self, job_id: str, attempt: int, *, ranks: Sequence[int] | None = None,
+                        groups: Sequence[str] | None = None) -> list[ProcessGroupRecord]:
+        """``process_groups`` narrowed to the rows of ``ranks`` and/or ``groups`` (their member
+        lists are the only ones parsed), ordered by group, rank."""
+        p = ProcessGroupRow.__table__.c
+        stmt = select(ProcessGroupRow.__table__).where(p.job_id == job_id, p.attempt == attempt)
+        if ranks is not None:
+            stmt = stmt.where(p.rank.in_(list(ranks)))
+        if groups is not None:
+            stmt = stmt.where(p.group_name.in_(list(groups)))
+        stmt = stmt.order_by(p.group_name, p.rank)
+        with self._tx(write=False) as s:
+            return [ProcessGroupRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
+                                       desc=r.desc, ranks=tuple(json.loads(r.ranks)))
+                    for r in s.execute(stmt)]
+
+    def group_members(self, job_id: str, attempt: int, groups: Sequence[str]) -> dict[str, tuple[int, ...]]:
+        """The declared members of each of ``groups`` (one member's declaration read per group;
+        a group nobody declared is absent)."""
+        p = ProcessGroupRow.__table__.c
+        first = (select(p.group_name, func.min(p.rank).label("rank"))
+                 .where(p.job_id == job_id, p.attempt == attempt, p.group_name.in_(list(groups)))
+                 .group_by(p.group_name).subquery())
+        stmt = (select(p.group_name, p.ranks)
+                .join(first, (first.c.group_name == p.group_name) & (first.c.rank == p.rank))
+                .where(p.job_id == job_id, p.attempt == attempt))
+        with self._tx(write=False) as s:
+            return {g: tuple(json.loads(text)) for g, text in s.execute(stmt)}
+
+    def pulled_ranks(self, job_id: str, attempt: int) -> dict[str, set[int]]:
+        """Per group (``:p2p`` groups under their group's name), the ranks with stored
+        collectives in the attempt: of a large job, the raw entries the controller pulled."""
+        c = Collective.__table__.c
+        out: dict[str, set[int]] = {}
+        with self._tx(write=False) as s:
+            for g, r in s.execute(select(c.group_name, c.rank).where(c.job_id == job_id, c.attempt == attempt)
+                                  .group_by(c.group_name, c.rank)):
+                out.setdefault(g.removesuffix(":p2p"), set()).add(int(r))
+        return out
+
+    def collectives_of(self, job_id: str, attempt: int, groups: Sequence[str]) -> list[CollectiveRecord]:
+        """The stored collectives of ``groups`` (and their ``:p2p`` groups), ordered by rank,
+        group, seq."""
+        c = Collective.__table__.c
+        names = sorted({n for g in groups for n in (g, f"{g}:p2p")})
+        stmt = (select(Collective.__table__).where(c.job_id == job_id, c.attempt == attempt,
+                                                   c.group_name.in_(names))
+                .order_by(c.rank, c.group_name, c.seq))
+        with self._tx(write=False) as s:
+            return [CollectiveRecord(
+                job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
+                group_size=r.group_size, seq=r.seq, op=r.op,
+                input_sizes=_sizes(r.input_sizes), input_dtypes=tuple(json.loads(r.input_dtypes)),
+                output_sizes=_sizes(r.output_sizes), output_dtypes=tuple(json.loads(r.output_dtypes)),
+                enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
+                exit_estimated=bool(r.exit_estimated),
+            ) for r in s.execute(stmt)]
+
+    def rank_nodes(self, job_id: str, attempt: int, ranks: Sequence[int]) -> dict[int, str]:
+        """The node of each of ``ranks`` that the attempt placed (others absent)."""
+        from fleet.controlplane.store.schema import Rank
+
+        if not ranks:
+            return {}
+        r = Rank.__table__.c
+        with self._tx(write=False) as s:
+            return {int(rank): node for rank, node in s.execute(
+                select(r.rank, r.node).where(r.job_id == job_id, r.attempt == attempt,
+                                             r.rank.in_(sorted(set(ranks)))))}
+
+    def count_ranks(self, job_id: str, attempt: int) -> int:
+        """How many ranks the attempt placed."""
+        from fleet.controlplane.store.schema import Rank
+
+        r = Rank.__table__.c
+        with self._tx(write=False) as s:
+            return int(s.scalar(select(func.count()).select_from(Rank.__table__)
+                                .where(r.job_id == job_id, r.attempt == attempt)) or 0)
+
+    def step_aggregates(self, job_id: str, attempt: int, last: int = 0) -> tuple[int, list[dict[str, Any]]]:
+        """(steps recorded, the newest ``last`` of them, 0 = all): per step, computed in SQL,
+        ``ranks``, mean ``loss``, ``step_time_s_mean`` and ``_max``, ``slowest_rank``,
+        ``tokens_per_s`` (sum), mean ``grad_norm``, ``lr``, ``aux_loss`` and ``mfu``, and
+        ``imbalanced_ranks`` (ranks with an imbalanced MoE layer). Index range only."""
+        st = Step.__table__.c
+        where = [st.job_id == job_id, st.attempt == attempt]
+        with self._tx(write=False) as s:
+            lo, hi, n = s.execute(select(func.min(st.step), func.max(st.step),
+                                         func.count(func.distinct(st.step))).where(*where)).one()
+            if hi is None:
+                return 0, []
+            if last:
+                where.append(st.step > hi - last)  # step numbers count up by one: the newest `last`
+            agg = (select(st.step, func.count(), func.avg(st.loss), func.avg(st.step_time_s),
+                          func.max(st.step_time_s), func.sum(st.tokens_per_s), func.avg(st.grad_norm),
+                          func.avg(st.lr), func.avg(st.aux_loss), func.avg(st.mfu),
+                          func.sum(case((st.imbalanced, 1), else_=0)))
+                   .where(*where).group_by(st.step).order_by(st.step))
+            rows = s.execute(agg).all()
+            top = agg.with_only_columns(st.step, func.max(st.step_time_s).label("t")).order_by(None).subquery()
+            slow = dict(s.execute(select(st.step, func.min(st.rank))
+                                  .join(top, (top.c.step == st.step) & (top.c.t == st.step_time_s))
+                                  .where(*where).group_by(st.step)).all())
+        return int(n), [
+            {"step": int(step), "ranks": int(k), "loss": float(loss), "step_time_s_mean": float(mean),
+             "step_time_s_max": float(mx), "slowest_rank": int(slow.get(step, -1)),
+             "tokens_per_s": float(tok or 0), "grad_norm": float(gn or 0), "lr": float(lr or 0),
+             "aux_loss": float(aux or 0), "mfu": float(mfu or 0), "imbalanced_ranks": int(imb or 0)}
+            for step, k, loss, mean, mx, tok, gn, lr, aux, mfu, imb in rows]
+
+    def job_nodes(self, job_id: str, attempt: int | None = None) -> set[str]:
+        """The nodes the job's ranks were placed on (in ``attempt``, or any)."""
+        from fleet.controlplane.store.schema import Rank
+
+        r = Rank.__table__.c
+        stmt = select(r.node).where(r.job_id == job_id).distinct()
+        if attempt is not None:
+            stmt = stmt.where(r.attempt == attempt)
+        with self._tx(write=False) as s:
+            return set(s.scalars(stmt))
+
+    def declared_group_names(self, job_id: str, attempt: int) -> list[dict[str, str]]:
+        """Each process group the attempt's ranks declared, once: {"group", "desc"} (no
+        member list read), ordered by group."""
+        p = ProcessGroupRow.__table__.c
+        stmt = (select(p.group_name, func.max(p.desc)).where(p.job_id == job_id, p.attempt == attempt)
+                .group_by(p.group_name).order_by(p.group_name))
+        with self._tx(write=False) as s:
+            return [{"group": g, "desc": d or ""} for g, d in s.execute(stmt)]

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between writes of the newest fronts to the store.
 FRONTS_FLUSH_S = 2.0
+#: Host health samples stored per second at most, over all nodes.
+HEALTH_ROWS_PER_S = 200.0
 
 
 class Stream(Protocol):
@@ -88,6 +90,7 @@ class IngestWriter:
         self._cond = threading.Condition()
         self._queue: collections.deque[Item] = collections.deque()
         self._health: list[HealthRecord] = []
+        self._health_due: dict[str, float] = {}  # node -> monotonic time its next sample is stored
         self._queued_events = 0
         self._fronts: dict[tuple, tuple] = {}   # (job, attempt, rank, group) -> newest row, unwritten
         self._fronts_flush_s = fronts_flush_s
@@ -114,8 +117,17 @@ class IngestWriter:
             return True
 
     def put_health(self, sample: HealthRecord) -> None:
-        """Queue one host health sample (never blocks: an agent sends one a second)."""
+        """Queue one host health sample (never blocks: an agent sends one a second).
+
+        At most ``HEALTH_ROWS_PER_S`` samples a second are stored in all: with many nodes
+        each node's are thinned to one per ``nodes / HEALTH_ROWS_PER_S`` seconds (2,048
+        agents: one per node every ~10 s); liveness does not depend on them."""
+        now = time.monotonic()
         with self._cond:
+            due = self._health_due.get(sample.node, 0.0)
+            if now < due:
+                return
+            self._health_due[sample.node] = now + len(self._health_due) / HEALTH_ROWS_PER_S
             self._health.append(sample)
             self._cond.notify_all()
 
