@@ -72,6 +72,20 @@ def replay(
     last_steps: Annotated[
         int, typer.Option("--steps", help="Show the last N steps of each attempt (0 = all).")
     ] = 20,
+    page: Annotated[
+        int | None, typer.Option("--page", help="A large job (collective fronts): show this page of its "
+                                 "fronts (rank order) or groups (--page-by group). \\[default: 1]",
+                                 show_default=False)
+    ] = None,
+    page_size: Annotated[
+        int | None, typer.Option("--page-size", help="A large job: rows per page. \\[default: 50]",
+                                 show_default=False)
+    ] = None,
+    page_by: Annotated[
+        str | None, typer.Option("--page-by", help="A large job: page through its fronts by rank, or "
+                                 "through its groups (one row each): rank|group. \\[default: rank]",
+                                 show_default=False)
+    ] = None,
     exit_code: Annotated[
         bool, typer.Option("--exit-code", help="Exit non-zero unless the verdict is ok: mismatch 10, hang 11, "
                            "straggler 12, empty 13.")
@@ -90,10 +104,14 @@ def replay(
         raise ConfigError("--prefix: only with a folder of dumps (fleet replay DIR -p PREFIX)")
     view = _View(set(ranks) if ranks else None, list(groups) if groups else None,
                  (around_seq - window, around_seq + window) if around_seq is not None else None)
+    paging = {k: v for k, v in (("page", page), ("size", page_size), ("by", page_by)) if v is not None}
     if folder is not None:
+        if paging:
+            raise ConfigError("--page/--page-size/--page-by: only for a large job from the store "
+                              "(one whose agents sent collective fronts)")
         verdict = _replay_dumps(folder, prefix, view, perfetto, json_out)
     else:
-        verdict = _replay_job(job_id, attempt, view, perfetto, last_steps, store, cluster, json_out)
+        verdict = _replay_job(job_id, attempt, view, perfetto, last_steps, store, cluster, json_out, paging)
     if exit_code and VERDICT_EXIT_CODES.get(verdict, 1):
         raise typer.Exit(VERDICT_EXIT_CODES.get(verdict, 1))
 
@@ -192,25 +210,69 @@ def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path 
 
 
 def _replay_job(job_id: str, attempt: int | None, view: _View, perfetto: Path | None, last_steps: int,
-                store: str | None, cluster: Path | None, json_out: bool) -> str:
+                store: str | None, cluster: Path | None, json_out: bool, paging: dict[str, Any]) -> str:
     from fleet.controlplane.cli.common import open_store
     from fleet.controlplane.diagnosis import diagnose_attempt
+    from fleet.controlplane.fronts_replay import has_fronts
     from fleet.controlplane.replay import replay_report
 
     with open_store(store, cluster) as st:
-        report = replay_report(st, job_id, attempt)
-        if attempt is not None and not report["attempts"]:
-            raise NotFoundError(f"job {job_id} has no attempt {attempt}")
-        view.resolve([g for a in report["attempts"] for g in a["diagnosis"].get("groups", [])])
-        chosen = report["attempts"][-1]["attempt"] if report["attempts"] else None
-        if perfetto is not None and chosen is not None:
-            traces, diag = diagnose_attempt(st, job_id, chosen)
-            _write_perfetto(perfetto, traces, diag, view)
+        if has_fronts(st, job_id):
+            report = _fronts_report(st, job_id, attempt, view, perfetto, last_steps, paging)
+        elif paging:
+            raise ConfigError(f"--page/--page-size/--page-by: job {job_id} sent every collective (no "
+                              "collective fronts): its replay has no pages")
+        else:
+            report = _report(st, job_id, attempt, view, perfetto, replay_report, diagnose_attempt)
+    return _show(report, view, last_steps, json_out)
+
+
+def _report(st: Any, job_id: str, attempt: int | None, view: _View, perfetto: Path | None,
+            replay_report: Any, diagnose_attempt: Any) -> dict[str, Any]:
+    """The ordinary report: a job that sent every collective."""
+    report = replay_report(st, job_id, attempt)
+    if attempt is not None and not report["attempts"]:
+        raise NotFoundError(f"job {job_id} has no attempt {attempt}")
+    view.resolve([g for a in report["attempts"] for g in a["diagnosis"].get("groups", [])])
+    chosen = report["attempts"][-1]["attempt"] if report["attempts"] else None
+    if perfetto is not None and chosen is not None:
+        traces, diag = diagnose_attempt(st, job_id, chosen)
+        _write_perfetto(perfetto, traces, diag, view)
+    return report
+
+
+def _fronts_report(st: Any, job_id: str, attempt: int | None, view: _View, perfetto: Path | None,
+                   last_steps: int, paging: dict[str, Any]) -> dict[str, Any]:
+    """A large job's report (``controlplane.fronts_replay``): --group resolved against the
+    groups its ranks declared (names and descriptions only), the page chosen."""
+    from fleet.controlplane.fronts_replay import Paging, fronts_report, pulled_traces
+
+    numbers = [a.number for a in st.get_attempts(job_id)]
+    if attempt is not None and attempt not in numbers:
+        raise NotFoundError(f"job {job_id} has no attempt {attempt}")
+    chosen = attempt if attempt is not None else (numbers[-1] if numbers else None)
+    if chosen is not None:
+        view.resolve(st.declared_group_names(job_id, chosen))
+    pages = Paging(**paging, ranks=tuple(sorted(view.ranks)) if view.ranks else None,
+                   groups=tuple(sorted(view.groups)) if view.groups is not None else None)
+    report = fronts_report(st, job_id, attempt, pages, last_steps)
+    if perfetto is not None and chosen is not None:
+        record = next(a for a in st.get_attempts(job_id) if a.number == chosen)
+        traces, diag, _, _ = pulled_traces(st, job_id, record)
+        if traces is None:
+            raise ConfigError(f"--perfetto: attempt {chosen} of job {job_id} has no group whose raw entries "
+                              "were pulled whole (a large job keeps them on its agents)")
+        _write_perfetto(perfetto, traces, diag, view)
+    return report
+
+
+def _show(report: dict[str, Any], view: _View, last_steps: int, json_out: bool) -> str:
     for a in report["attempts"]:
         for f in a["diagnosis"]["findings"]:
             f["stacks"] = []  # the store keeps no Python stacks
         a["diagnosis"] = view.apply(a["diagnosis"])
-        a["collectives"] = [c for c in a["collectives"] if view.keep(c, seq_key="")]
+        if "collectives" in a:
+            a["collectives"] = [c for c in a["collectives"] if view.keep(c, seq_key="")]
     top = report["attempts"][-1]["diagnosis"] if report["attempts"] else {
         "source": f"store:{job_id}", "attempt": None, "verdict": "empty", "culprit_ranks": [],
         "findings": []}
@@ -357,6 +419,9 @@ def _print_job(report: dict[str, Any], last_steps: int) -> None:
             f"attempt {a['attempt']}: {a['state']}, restored from "
             f"{'step ' + str(restored) if restored else 'scratch'}, final step {a['final_step']}"
         )
+        if a.get("mode") == "fronts":
+            _print_fronts_attempt(a, report["sdc"])
+            continue
         nodes = {r["rank"]: r["node"] for r in a["ranks"]}
         _print_diagnosis(a["diagnosis"], title=f"attempt {a['attempt']}")
         for v in report["sdc"]["incidents"]:
@@ -388,3 +453,56 @@ def _print_job(report: dict[str, Any], last_steps: int) -> None:
                 for s in steps
             ],
         )
+
+
+def _print_fronts_attempt(a: dict[str, Any], sdc: dict[str, Any]) -> None:
+    """A large job's attempt: the verdict over the pulled groups, the wavefront around the
+    incident, the whole job's fronts per group kind, one page of the rest, the steps."""
+    from fleet.controlplane.fronts_view import clock, kinds_lines, standing_line
+
+    fr = a["fronts"]
+    nodes = {int(r): n for r, n in a["nodes"].items()}
+    console.print(f"{a['ranks_placed']} ranks, {fr['count']} collective fronts (a large job: raw collectives "
+                  f"stay on the agents; the controller pulled {len(a['pulled'])} group(s))", highlight=False)
+    _print_diagnosis(a["diagnosis"], title=f"attempt {a['attempt']}")
+    if a["diagnosed_groups"]:
+        console.print(f"diagnosed on the pulled entries of groups {', '.join(a['diagnosed_groups'][:12])}"
+                      + (" ..." if len(a["diagnosed_groups"]) > 12 else ""), highlight=False)
+    for g, missing in a["pulled_partial"].items():
+        console.print(f"[dim]group {g}: left out of the diagnosis, {missing} member(s) have no pulled entries[/]",
+                      highlight=False)
+    culprits = a["diagnosis"]["culprit_ranks"]
+    if culprits:
+        console.print("culprit" + ("s" if len(culprits) > 1 else "") + ": " + ", ".join(
+            f"rank {r}" + (f" (node {nodes[r]})" if r in nodes else "") for r in culprits[:16]), highlight=False)
+    for v in sdc["incidents"]:
+        if v["attempt"] == a["attempt"]:
+            console.print(f"attempt {a['attempt']}: [red]SDC[/] {sdc_line(v)}", highlight=False, soft_wrap=True)
+    if fr["around_incident"]:
+        console.rule("wavefront around the incident")
+        for s in fr["around_incident"]:
+            console.print(standing_line(s, nodes), highlight=False, soft_wrap=True)
+    console.rule("the whole job's fronts")
+    for line in kinds_lines(fr["summary"]):
+        console.print(line, highlight=False)
+    p = fr["page"]
+    first = (p["page"] - 1) * p["page_size"] + 1
+    title = (f"{p['unit']} {first}..{first + len(p['rows']) - 1} of {p['total']}: page {p['page']} of "
+             f"{p['pages']} (--page N, --page-size K, --page-by rank|group)")
+    if p["by"] == "group":
+        print_table(title, ["group", "desc", "fronts", "seq range", "open", "behind", "oldest open", "ops"],
+                    [[g["group"], g["desc"], g["fronts"], f"{g['min_seq']}..{g['top_seq']}", g["open"],
+                      g["behind"], clock(g["oldest_open_ns"]), g["ops"]] for g in p["rows"]])
+    else:
+        print_table(title, ["rank", "node", "group", "entered", "op", "completed", "state", "entered at", "step"],
+                    [[f"[red]{f['rank']}[/]" if f["rank"] in culprits else f["rank"], f["node"] or "?", f["group"],
+                      f["entered_seq"], f["op"], f["completed_seq"], "waiting" if f["open"] else "-",
+                      clock(f["entered_ns"]), f["step"]] for f in p["rows"]])
+    steps = a["steps"]
+    print_table(
+        f"steps ({len(steps)} of {a['steps_recorded']} shown; means over ranks)",
+        ["step", "loss", "grad norm", "lr", "aux", "ranks", "mean s", "max s", "slowest", "tokens/s", "MFU",
+         "imbalanced ranks"],
+        [[s["step"], f"{s['loss']:.4f}", f"{s['grad_norm']:.3f}", f"{s['lr']:.2e}", f"{s['aux_loss']:.4f}",
+          s["ranks"], f"{s['step_time_s_mean']:.4f}", f"{s['step_time_s_max']:.4f}", s["slowest_rank"],
+          f"{s['tokens_per_s']:.0f}", f"{s['mfu']:.1%}", s["imbalanced_ranks"] or "-"] for s in steps])
