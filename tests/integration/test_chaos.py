@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from fleet.controlplane.lifecycle import JobState
+from fleet.controlplane.watchdog import PULL_ENTRIES
 from tests.integration.test_fleet_up import FLEET, FleetUp, controller_job, store_of, write_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -105,17 +106,30 @@ def test_crash_restarts_and_replays_bit_for_bit(tmp_path: Path, reference: dict[
 
 
 def test_hang_is_detected_long_before_the_pg_timeout(tmp_path: Path, reference: dict[int, float]) -> None:
-    # telemetry every 0.2 s instead of 0.5 s: the detector's lag allowance shrinks with it
+    # telemetry every 0.2 s instead of 0.5 s: the detector's lag allowance shrinks with it.
+    # raw_ingest_max_ranks 2: this 4-rank job runs as a large one does, sending collective
+    # fronts; the controller pulls the raw entries of the suspect's groups from the agents
     summary, report = run_job(tmp_path, chaos_cluster(
         tmp_path, [{"kind": "hang", "rank": 1, "at_step": 15}],
-        agent={"report_interval_s": 0.2, "fr_poll_interval_s": 0.2, "batch_interval_s": 0.1}))
+        agent={"report_interval_s": 0.2, "fr_poll_interval_s": 0.2, "batch_interval_s": 0.1,
+               "raw_ingest_max_ranks": 2}))
     check_job(tmp_path, summary, report, reference, [("hang", 1, "node-0")], attempts=2)
     (incident,) = report["incidents"]
     with store_of(tmp_path) as st:
         times = sorted(s.step_time_s for s in st.steps(summary["job_id"], attempt=1, rank=0))
+        fronts = st.fronts(summary["job_id"], 1)
+        pulled = st.collectives(summary["job_id"], 1)
     median = times[len(times) // 2]
     # the target: within 3 median steps + 2 s (the process-group timeout here is 60 s)
     assert incident["detected_after_s"] <= 3 * median + 2.0, (incident, median)
+    # every rank's fronts were stored; the only collectives stored are the pulled window
+    assert {f.rank for f in fronts} == {0, 1, 2, 3}
+    assert pulled and 1 in {c.rank for c in pulled}
+    per_key = {}
+    for c in pulled:
+        per_key[(c.rank, c.group)] = per_key.get((c.rank, c.group), 0) + 1
+    assert max(per_key.values()) <= PULL_ENTRIES, per_key
+    assert "flight recorder" in incident["evidence"] and "collective fronts" not in incident["evidence"]
 
 
 def test_nan_restores_the_last_good_step_from_memory(tmp_path: Path, reference: dict[int, float]) -> None:
