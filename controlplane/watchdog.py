@@ -125,6 +125,10 @@ PULL_ENTRIES = 32
 #: How long the watchdog waits for pulled entries before it decides on the fronts alone.
 PULL_WAIT_S = 2.0
 
+#: Seconds between recomputations of the step-based hang threshold (a median over up to
+#: STEP_TIMES_PER_RANK steps of every rank: 80,000 values at 4,096 ranks).
+THRESHOLD_EVERY_S = 1.0
+
 #: How long a flight-recorder verdict must hold, unchanged, before a hang is declared on it.
 VERDICT_STABLE_S = 0.5
 #: After a batch with SDC checks arrives, its rows are read from the store this much later
@@ -192,6 +196,8 @@ class _Watched:
     verdict_since: float = 0.0                # monotonic: since when it has stayed the same
     sdc_read_at: float = math.inf             # monotonic: read the store's SDC rows then
     sdc_next_poll: float = 0.0                # monotonic: ... and at the latest then
+    threshold_s: float = 0.0                  # the step-based hang threshold, as last computed
+    threshold_due: float = 0.0                # monotonic: compute it again then
     fronts: Wavefronts | None = None          # a large job's collective fronts (None: raw collectives)
     pull_key: tuple = ()                      # (verdict, culprits, groups) whose raw entries were asked for
     pull_sent: float = 0.0                    # monotonic: when
@@ -538,7 +544,10 @@ class Watchdog:
         if total_steps and max(w.last_step.values()) >= total_steps:  # 0: a program's, unknown
             return None  # the last step is done: ranks are finishing
         stalled = (horizon_ns - max(w.last_end_ns.values())) / 1e9
-        threshold = detectors.hang_threshold_s(w.step_times, cfg.hang_factor, cfg.hang_floor_s)
+        if now >= w.threshold_due:  # a median over every rank's recent steps: not every tick
+            w.threshold_s = detectors.hang_threshold_s(w.step_times, cfg.hang_factor, cfg.hang_floor_s)
+            w.threshold_due = now + THRESHOLD_EVERY_S
+        threshold = w.threshold_s
         if stalled <= threshold:
             if stalled > threshold / 2:
                 self._prefetch(w, horizon_ns, threshold / 2)

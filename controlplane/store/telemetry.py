@@ -12,13 +12,14 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import case, func, select
-from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 
 from fleet.controlplane.store import ingest
 from fleet.controlplane.store.base import StoreBase
@@ -53,6 +54,15 @@ def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(s) for s in json.loads(text))
 
 
+@functools.lru_cache(maxsize=64)
+def _marker_sql(dialect_name: str, n: int) -> str:
+    """``INSERT`` of ``n`` ingest_batches keys that returns those not stored before."""
+    mark = "?" if dialect_name == "sqlite" else "%s"
+    row = f"({', '.join([mark] * 5)})"
+    return ("INSERT INTO ingest_batches (agent_id, epoch, seq, committed_at, n_events) VALUES "
+            + ", ".join([row] * n) + " ON CONFLICT (agent_id, epoch, seq) DO NOTHING RETURNING agent_id, epoch, seq")
+
+
 class TelemetryMethods(StoreBase):
     """The Store's ingest and telemetry-query methods (a mixin of ``store.Store``)."""
 
@@ -75,21 +85,27 @@ class TelemetryMethods(StoreBase):
         group commit); per batch, True if stored now, False if it already was. All or
         nothing: on an error none of them is stored."""
         # RETURNING tells fresh keys from those already stored (rowcount is not reliable):
-        # one multi-row statement per chunk of batches, not one per batch
-        t = IngestBatch.__table__
+        # one multi-row statement per chunk of batches, not one per batch, through the
+        # DBAPI cursor (SQLAlchemy would compile a new statement per chunk size)
         fresh: list[bool] = []
         try:
             with self._tx(write=True) as s:
                 now = time.time()
                 keys = [(agent_id, epoch, seq) for agent_id, epoch, seq, _ in batches]
                 new_keys: set[tuple] = set()
-                for i in range(0, len(batches), self.MARKER_CHUNK):
-                    chunk = batches[i:i + self.MARKER_CHUNK]
-                    marker = upsert(self.dialect, t, ["agent_id", "epoch", "seq"], None).values([
-                        {"agent_id": agent_id, "epoch": epoch, "seq": seq, "committed_at": now,
-                         "n_events": rows.events} for agent_id, epoch, seq, rows in chunk
-                    ]).returning(t.c.agent_id, t.c.epoch, t.c.seq)
-                    new_keys.update(tuple(r) for r in s.connection().execute(marker))
+                dialect = s.get_bind().dialect
+                cursor = s.connection().connection.dbapi_connection.cursor()
+                try:
+                    for i in range(0, len(batches), self.MARKER_CHUNK):
+                        chunk = batches[i:i + self.MARKER_CHUNK]
+                        params = [v for agent_id, epoch, seq, rows in chunk
+                                  for v in (agent_id, epoch, seq, now, rows.events)]
+                        cursor.execute(_marker_sql(dialect.name, len(chunk)), params)
+                        new_keys.update(tuple(r) for r in cursor.fetchall())
+                except dialect.loaded_dbapi.Error as e:
+                    raise DBAPIError.instance("ingest_batches marker", None, e, dialect.loaded_dbapi.Error) from e
+                finally:
+                    cursor.close()
                 seen: set[tuple] = set()
                 for key in keys:  # the same key twice in one call: the first is the fresh one
                     fresh.append(key in new_keys and key not in seen)
@@ -436,42 +452,60 @@ class TelemetryMethods(StoreBase):
         with self._tx(write=False) as s:
             return int(s.scalar(stmt) or 0)
 
-    def _fronts_with_desc(self, job_id: str, attempt: int):  # noqa: ANN202 (a SQLAlchemy subquery)
-        """The attempt's fronts with the ``desc`` their rank declared of the group ("" if none)."""
+    def _front_group_stats(self, job_id: str, attempt: int, groups: Sequence[str] | None = None):  # noqa: ANN202
+        """Per group of the attempt's fronts (no join: a fresh table without statistics would
+        get a nested loop): fronts, seq range, open, behind, oldest open entry, ops."""
         f = CollectiveFront.__table__.c
+        where = [f.job_id == job_id, f.attempt == attempt]
+        if groups is not None:
+            where.append(f.group_name.in_(list(groups)))
+        q = (select(f.group_name, f.entered_seq, f.entered_ns, f.op,
+                    case((f.entered_seq > f.completed_seq, 1), else_=0).label("is_open"),
+                    func.max(f.entered_seq).over(partition_by=f.group_name).label("top"))
+             .where(*where).subquery())
+        return (select(q.c.group_name, func.count(), func.min(q.c.entered_seq), func.max(q.c.entered_seq),
+                       func.sum(q.c.is_open), func.sum(case((q.c.entered_seq < q.c.top, 1), else_=0)),
+                       func.min(case((q.c.is_open == 1, q.c.entered_ns))), func.count(func.distinct(q.c.op)))
+                .group_by(q.c.group_name).order_by(q.c.group_name))
+
+    def _group_descs(self, s: Any, job_id: str, attempt: int, groups: Sequence[str] | None) -> dict[str, str]:
         p = ProcessGroupRow.__table__.c
-        is_open = case((f.entered_seq > f.completed_seq, 1), else_=0)
-        return (select(f.rank, f.group_name, f.entered_seq, f.completed_seq, f.entered_ns, f.op,
-                       func.coalesce(p.desc, "").label("desc"), is_open.label("is_open"),
-                       func.max(f.entered_seq).over(partition_by=f.group_name).label("top"))
-                .select_from(CollectiveFront.__table__.outerjoin(
-                    ProcessGroupRow.__table__,
-                    (p.job_id == f.job_id) & (p.attempt == f.attempt) & (p.rank == f.rank)
-                    & (p.group_name == f.group_name)))
-                .where(f.job_id == job_id, f.attempt == attempt).subquery())
+        stmt = select(p.group_name, func.max(p.desc)).where(p.job_id == job_id, p.attempt == attempt)
+        if groups is not None:
+            stmt = stmt.where(p.group_name.in_(list(groups)))
+        return {g: d or "" for g, d in s.execute(stmt.group_by(p.group_name))}
+
+    @staticmethod
+    def _group_stat(row: Any, desc: str) -> dict[str, Any]:
+        g, n, lo, hi, o, b, t, ops = row
+        return {"group": g, "desc": desc, "fronts": int(n), "min_seq": int(lo), "top_seq": int(hi),
+                "open": int(o or 0), "behind": int(b or 0), "oldest_open_ns": None if t is None else int(t),
+                "ops": int(ops)}
 
     def front_kinds(self, job_id: str, attempt: int) -> dict[str, Any]:
         """The whole attempt's fronts in a few numbers: ``ranks`` (with a front), ``waiting``
         (ranks with an open front: entered, not completed), and ``kinds``, one dict per
-        group description (``desc``): ``groups``, ``fronts``, ``open`` (fronts),
-        ``waiting`` (ranks), ``behind`` (fronts below their group's newest seq),
+        group description (``desc``, "" for groups nobody declared): ``groups``,
+        ``fronts``, ``open`` (fronts), ``behind`` (fronts below their group's newest seq),
         ``oldest_open_ns`` (the earliest entry of an open front; None without one)."""
-        q = self._fronts_with_desc(job_id, attempt)
-        behind = case((q.c.entered_seq < q.c.top, 1), else_=0)
-        per_kind = (select(q.c.desc, func.count(func.distinct(q.c.group_name)), func.count(),
-                           func.sum(q.c.is_open), func.count(func.distinct(case((q.c.is_open == 1, q.c.rank)))),
-                           func.sum(behind), func.min(case((q.c.is_open == 1, q.c.entered_ns))))
-                    .group_by(q.c.desc).order_by(q.c.desc))
         f = CollectiveFront.__table__.c
         where = (f.job_id == job_id, f.attempt == attempt)
+        kinds: dict[str, dict[str, Any]] = {}
         with self._tx(write=False) as s:
             ranks = s.scalar(select(func.count(func.distinct(f.rank))).where(*where))
             waiting = s.scalar(select(func.count(func.distinct(f.rank)))
                                .where(*where, f.entered_seq > f.completed_seq))
-            kinds = [{"desc": d, "groups": int(g), "fronts": int(n), "open": int(o or 0), "waiting": int(w),
-                      "behind": int(b or 0), "oldest_open_ns": None if t is None else int(t)}
-                     for d, g, n, o, w, b, t in s.execute(per_kind)]
-        return {"ranks": int(ranks or 0), "waiting": int(waiting or 0), "kinds": kinds}
+            descs = self._group_descs(s, job_id, attempt, None)
+            for row in s.execute(self._front_group_stats(job_id, attempt)):
+                g = self._group_stat(row, descs.get(row[0], ""))
+                k = kinds.setdefault(g["desc"], {"desc": g["desc"], "groups": 0, "fronts": 0, "open": 0,
+                                                 "behind": 0, "oldest_open_ns": None})
+                k["groups"] += 1
+                for key in ("fronts", "open", "behind"):
+                    k[key] += g[key]
+                if g["oldest_open_ns"] is not None:
+                    k["oldest_open_ns"] = min(k["oldest_open_ns"] or g["oldest_open_ns"], g["oldest_open_ns"])
+        return {"ranks": int(ranks or 0), "waiting": int(waiting or 0), "kinds": [kinds[d] for d in sorted(kinds)]}
 
     def front_groups(self, job_id: str, attempt: int, *, groups: Sequence[str] | None = None,
                      offset: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
@@ -479,21 +513,13 @@ class TelemetryMethods(StoreBase):
         ``desc``, ``fronts``, lowest and newest ``entered_seq`` (``min_seq``, ``top_seq``),
         ``open`` fronts, fronts ``behind`` the newest seq, ``oldest_open_ns`` and ``ops``
         (distinct ops entered), computed in SQL."""
-        q = self._fronts_with_desc(job_id, attempt)
-        behind = case((q.c.entered_seq < q.c.top, 1), else_=0)
-        stmt = (select(q.c.group_name, func.max(q.c.desc), func.count(), func.min(q.c.entered_seq),
-                       func.max(q.c.entered_seq), func.sum(q.c.is_open), func.sum(behind),
-                       func.min(case((q.c.is_open == 1, q.c.entered_ns))), func.count(func.distinct(q.c.op)))
-                .group_by(q.c.group_name).order_by(q.c.group_name).offset(offset))
-        if groups is not None:
-            stmt = stmt.where(q.c.group_name.in_(list(groups)))
+        stmt = self._front_group_stats(job_id, attempt, groups).offset(offset)
         if limit is not None:
             stmt = stmt.limit(limit)
         with self._tx(write=False) as s:
-            return [{"group": g, "desc": d or "", "fronts": int(n), "min_seq": int(lo), "top_seq": int(hi),
-                     "open": int(o or 0), "behind": int(b or 0), "oldest_open_ns": None if t is None else int(t),
-                     "ops": int(ops)}
-                    for g, d, n, lo, hi, o, b, t, ops in s.execute(stmt)]
+            rows = s.execute(stmt).all()
+            descs = self._group_descs(s, job_id, attempt, [r[0] for r in rows]) if rows else {}
+        return [self._group_stat(r, descs.get(r[0], "")) for r in rows]
 
     def count_front_groups(self, job_id: str, attempt: int) -> int:
         """How many process groups the attempt's fronts cover (``front_groups``' rows)."""
