@@ -95,9 +95,8 @@ def kinds_lines(summary: Mapping[str, Any]) -> list[str]:
     lines = [f"{summary['waiting']} of {summary['ranks']} ranks wait in a collective"]
     for k in summary["kinds"]:
         since = f" since {clock(k['oldest_open_ns'])}" if k["oldest_open_ns"] else ""
-        lines.append(f"{k['desc'] or '(undeclared)'}: {k['groups']} groups, {k['waiting']} ranks waiting in "
-                     f"{k['open']} of {k['fronts']} fronts{since}, {k['behind']} fronts behind their "
-                     f"group's newest seq")
+        lines.append(f"{k['desc'] or '(undeclared)'}: {k['groups']} groups, {k['open']} of {k['fronts']} fronts "
+                     f"open (waiting){since}, {k['behind']} behind their group's newest seq")
     return lines
 
 

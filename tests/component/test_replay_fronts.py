@@ -57,7 +57,7 @@ def test_replay_names_the_culprit_and_shows_the_wavefront(job: FrontsJob, store_
     assert code == 0
     assert f"culprit: rank 37 (node {job.node})" in text
     assert f"rank 37 (node {job.node}) is at seq {dp['top_seq'] - 1} (1 behind)" in text
-    assert "63 of 64 ranks wait in a collective" in text
+    assert "63 of 64 ranks wait in a collective" in text and "dp: 32 groups, 63 of 64 fronts open" in text
     assert "page 1 of 4" in text
 
 
