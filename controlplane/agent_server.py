@@ -320,7 +320,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
     def _hello_rows(self, hello: agent_pb2.Hello, session: AgentSession) -> int:
         """In the store pool: the node's row, and the highest seq committed for this epoch."""
-        self._store.upsert_node(hello.node_name, hello.ray_node_id, hello.hostname, "{}")
+        self._store.upsert_node(hello.node_name, hello.ray_node_id, hello.hostname, None)
         return self._store.committed_seq(session.agent_id, session.epoch)
 
     async def _receive(self, messages: AsyncIterator[Any], session: AgentSession) -> None:

@@ -44,17 +44,20 @@ class NodeMethods(StoreBase):
 
     # -- nodes and ranks ------------------------------------------------------------------
 
-    def upsert_node(self, name: str, ray_node_id: str, hostname: str, resources_json: str) -> None:
+    def upsert_node(self, name: str, ray_node_id: str, hostname: str, resources_json: str | None) -> None:
         """Register a node or refresh its identity; keeps any quarantine. Sets last_seen.
-        A new node starts healthy, with a first ``node_transitions`` row (actor controller)."""
+        A new node starts healthy, with a first ``node_transitions`` row (actor controller).
+        ``resources_json`` None keeps the stored resources (an agent's Hello does not know
+        them; the controller stored Ray's), "{}" for a new node."""
         now = time.time()
-        identity = {"ray_node_id": ray_node_id, "hostname": hostname,
-                    "resources_json": resources_json, "last_seen": now}
+        identity = {"ray_node_id": ray_node_id, "hostname": hostname, "last_seen": now}
+        if resources_json is not None:
+            identity["resources_json"] = resources_json
         # Insert-or-nothing first, so exactly one registrant (the one that gets its row back)
         # writes the first history row; rowcount is not reliable here on every driver.
         insert = upsert(self.dialect, Node.__table__, ["name"], None).values(
             name=name, state=NodeState.HEALTHY.value, quarantine_reason="", quarantined_since=None,
-            **identity).returning(Node.__table__.c.name)
+            **{"resources_json": "{}", **identity}).returning(Node.__table__.c.name)
         with self._tx(write=True) as s:
             if s.execute(insert).first() is not None:
                 s.add(NodeTransition(node=name, from_state=None, to_state=NodeState.HEALTHY.value,
