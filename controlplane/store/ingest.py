@@ -281,26 +281,35 @@ def _merged(rows: list[tuple]) -> list[tuple]:
     return [tuple(r) for r in out.values()]
 
 
-def _write_collectives(session: Session, rows: list[tuple]) -> None:
-    # The raw DBAPI cursor: SQLAlchemy's per-row parameter handling would cost more
-    # than the database does. Its errors are translated as SQLAlchemy's own would be.
+def _copy_upsert(session: Session, sql: str, table: str, stage: str, columns: Sequence[str],
+                 rows: Sequence[tuple]) -> None:
+    """Run one upsert statement over ``rows`` inside the caller's transaction:
+    ``executemany`` of ``sql`` on SQLite; on PostgreSQL ``COPY`` into the session's staging
+    table ``stage`` (shaped like ``table``), then ``sql`` once (it selects from ``stage``).
+
+    The raw DBAPI cursor: SQLAlchemy's per-row parameter handling would cost more than
+    the database does. Its errors are translated as SQLAlchemy's own would be."""
     dialect = session.get_bind().dialect
-    sql = collective_upsert_sql(dialect.name)
     cursor = session.connection().connection.dbapi_connection.cursor()
     try:
         if dialect.name == "sqlite":
             cursor.executemany(sql, rows)
         else:
-            cursor.execute(f"CREATE TEMP TABLE IF NOT EXISTS {_STAGE} (LIKE collectives) "
-                           "ON COMMIT DELETE ROWS")
-            with cursor.copy(f"COPY {_STAGE} ({', '.join(COLLECTIVE_COLUMNS)}) FROM STDIN") as copy:
-                for row in _merged(rows):
+            cursor.execute(f"CREATE TEMP TABLE IF NOT EXISTS {stage} (LIKE {table}) ON COMMIT DELETE ROWS")
+            with cursor.copy(f"COPY {stage} ({', '.join(columns)}) FROM STDIN") as copy:
+                for row in rows:
                     copy.write_row(row)
             cursor.execute(sql)
     except dialect.loaded_dbapi.Error as e:
         raise DBAPIError.instance(sql, None, e, dialect.loaded_dbapi.Error) from e
     finally:
         cursor.close()
+
+
+def _write_collectives(session: Session, rows: list[tuple]) -> None:
+    dialect_name = session.get_bind().dialect.name
+    _copy_upsert(session, collective_upsert_sql(dialect_name), "collectives", _STAGE, COLLECTIVE_COLUMNS,
+                 rows if dialect_name == "sqlite" else _merged(rows))
 
 
 FRONT_COLUMNS = ("job_id", "attempt", "rank", "group_name", "group_size", "entered_seq",
@@ -329,26 +338,10 @@ def front_upsert_sql(dialect_name: str) -> str:
 
 def write_fronts(session: Session, rows: Sequence[tuple]) -> None:
     """Upsert front rows (``FRONT_COLUMNS`` order, one per key) inside the caller's
-    transaction: ``executemany`` on SQLite, ``COPY`` into a staging table on PostgreSQL."""
-    if not rows:
-        return
-    dialect = session.get_bind().dialect
-    sql = front_upsert_sql(dialect.name)
-    cursor = session.connection().connection.dbapi_connection.cursor()
-    try:
-        if dialect.name == "sqlite":
-            cursor.executemany(sql, rows)
-        else:
-            cursor.execute(f"CREATE TEMP TABLE IF NOT EXISTS {_FRONT_STAGE} (LIKE collective_fronts) "
-                           "ON COMMIT DELETE ROWS")
-            with cursor.copy(f"COPY {_FRONT_STAGE} ({', '.join(FRONT_COLUMNS)}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
-            cursor.execute(sql)
-    except dialect.loaded_dbapi.Error as e:
-        raise DBAPIError.instance(sql, None, e, dialect.loaded_dbapi.Error) from e
-    finally:
-        cursor.close()
+    transaction (``_copy_upsert``)."""
+    if rows:
+        _copy_upsert(session, front_upsert_sql(session.get_bind().dialect.name), "collective_fronts",
+                     _FRONT_STAGE, FRONT_COLUMNS, rows)
 
 
 # -- the rest -------------------------------------------------------------------------------

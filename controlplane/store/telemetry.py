@@ -50,6 +50,17 @@ SDC_KINDS = ingest.SDC_KINDS
 DROP_SOURCES = frozenset({"agent", "controller"})
 
 
+def _collective_record(r: Any) -> CollectiveRecord:
+    """One ``collectives`` row as a record (sizes and dtypes parsed from their JSON)."""
+    return CollectiveRecord(
+        job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
+        group_size=r.group_size, seq=r.seq, op=r.op,
+        input_sizes=_sizes(r.input_sizes), input_dtypes=tuple(json.loads(r.input_dtypes)),
+        output_sizes=_sizes(r.output_sizes), output_dtypes=tuple(json.loads(r.output_dtypes)),
+        enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
+        exit_estimated=bool(r.exit_estimated))
+
+
 def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(s) for s in json.loads(text))
 
@@ -201,15 +212,7 @@ class TelemetryMethods(StoreBase):
             stmt = stmt.where(c.group_name == group)
         stmt = stmt.order_by(c.attempt, c.rank, c.group_name, c.seq)
         with self._tx(write=False) as s:
-            return [CollectiveRecord(
-                job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
-                group_size=r.group_size, seq=r.seq, op=r.op,
-                input_sizes=_sizes(r.input_sizes), input_dtypes=tuple(json.loads(r.input_dtypes)),
-                output_sizes=_sizes(r.output_sizes),
-                output_dtypes=tuple(json.loads(r.output_dtypes)),
-                enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
-                exit_estimated=bool(r.exit_estimated),
-            ) for r in s.execute(stmt)]
+            return [_collective_record(r) for r in s.execute(stmt)]
 
     def process_groups(self, job_id: str, attempt: int | None = None) -> list[ProcessGroupRecord]:
         """Process groups as the ranks declared them, ordered by attempt, group, rank."""
@@ -426,14 +429,7 @@ class TelemetryMethods(StoreBase):
                     if last is not None:
                         rows.append(last)
         rows.sort(key=lambda r: (r.rank, r.group_name, r.seq))
-        return [CollectiveRecord(
-            job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
-            group_size=r.group_size, seq=r.seq, op=r.op,
-            input_sizes=_sizes(r.input_sizes), input_dtypes=tuple(json.loads(r.input_dtypes)),
-            output_sizes=_sizes(r.output_sizes), output_dtypes=tuple(json.loads(r.output_dtypes)),
-            enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
-            exit_estimated=bool(r.exit_estimated),
-        ) for r in rows]
+        return [_collective_record(r) for r in rows]
 
     # -- a large job's replay (``fleet replay`` of an attempt with fronts) -----------------
     # Narrow, bounded reads: aggregates computed in SQL, JSON member lists parsed only for
@@ -577,14 +573,7 @@ class TelemetryMethods(StoreBase):
                                                    c.group_name.in_(names))
                 .order_by(c.rank, c.group_name, c.seq))
         with self._tx(write=False) as s:
-            return [CollectiveRecord(
-                job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
-                group_size=r.group_size, seq=r.seq, op=r.op,
-                input_sizes=_sizes(r.input_sizes), input_dtypes=tuple(json.loads(r.input_dtypes)),
-                output_sizes=_sizes(r.output_sizes), output_dtypes=tuple(json.loads(r.output_dtypes)),
-                enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
-                exit_estimated=bool(r.exit_estimated),
-            ) for r in s.execute(stmt)]
+            return [_collective_record(r) for r in s.execute(stmt)]
 
     def rank_nodes(self, job_id: str, attempt: int, ranks: Sequence[int]) -> dict[int, str]:
         """The node of each of ``ranks`` that the attempt placed (others absent)."""
