@@ -81,6 +81,8 @@ class Feed:
         by_node: dict[str, list[events_pb2.Event]] = {}
         for ev in events:
             rank = getattr(ev, ev.WhichOneof("kind")).rank
+            if not isinstance(rank, int):  # a block of rows (fronts, columns): one rank here
+                rank = rank[0]
             by_node.setdefault(NODES[rank], []).append(ev)
         for node, evs in by_node.items():
             rows = prepare(evs)

@@ -18,13 +18,11 @@ import pytest
 from fleet.controlplane.detectors import Incident
 from fleet.controlplane.lifecycle import JobState
 from fleet.controlplane.store import Store
-from fleet.controlplane.store.ingest import prepare
 from fleet.controlplane.watchdog import PULL_WAIT_S, Watchdog
 from fleet.proto import columns, events_pb2
 from fleet.proto.fronts import FrontRow, pack, signature
 from fleet.proto.kinds import IncidentKind
-from tests.component.test_watchdog import CFG, NODES, WORLD, Incidents, group_ev, step_ev
-from tests.component.test_watchdog import Feed as _Feed
+from tests.component.test_watchdog import CFG, NODES, WORLD, Feed, Incidents, group_ev, step_ev
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,24 +45,6 @@ def front_ev(job: str, rank: int, entered: int, completed: int, enter_ns: int, s
              op: str = "all_reduce") -> events_pb2.Event:
     return events_pb2.Event(fronts=pack([FrontRow(job, 1, rank, "0", len(NODES), entered, completed, enter_ns,
                                                   enter_ns if completed == entered else 0, op, sig, entered, 1)]))
-
-
-class Feed(_Feed):
-    """test_watchdog's feed, for events whose rank is a column (one rank per block here)."""
-
-    def send(self, events: list[events_pb2.Event]) -> None:
-        by_node: dict[str, list[events_pb2.Event]] = {}
-        for ev in events:
-            rank = getattr(ev, ev.WhichOneof("kind")).rank
-            by_node.setdefault(NODES[rank if isinstance(rank, int) else rank[0]], []).append(ev)
-        for node, evs in by_node.items():
-            self._batch(node, evs)
-
-    def _batch(self, node: str, evs: list[events_pb2.Event]) -> None:
-        rows = prepare(evs)
-        self.watchdog.observe(node, rows)
-        self.seq += 1
-        self.store.record_batches([(f"agent-{node}", self.epoch, self.seq, rows)])
 
 
 class Agents:
