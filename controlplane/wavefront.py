@@ -120,32 +120,28 @@ class Wavefronts:
             job = names.index(self.job_id)
             ranks, groups, sizes = block.rank, block.group, block.group_size
             slot_of, new_slot = self._slots.get, self._slot
-            if len(names) and all(j == job for j in block.job_id) and all(a == self.attempt for a in block.attempt):
-                pick = range(len(ranks))
-            else:
-                pick = [i for i, (j, a) in enumerate(zip(block.job_id, block.attempt))
-                        if j == job and a == self.attempt]
             op_map = {k: self._op(names[k]) for k in set(block.op)}
-            if isinstance(pick, range):
+            if all(j == job for j in block.job_id) and all(a == self.attempt for a in block.attempt):
+                # the usual block, all of this attempt: column-wise, no per-row branching
                 found = list(map(slot_of, zip(ranks, map(names.__getitem__, groups))))
                 if None in found:
                     found = [new_slot(ranks[i], names[groups[i]], sizes[i]) if f is None else f
                              for i, f in enumerate(found)]
                 slots.extend(found)
                 op_ix.extend(map(op_map.__getitem__, block.op))
-            else:
-                for i in pick:
-                    g = names[groups[i]]
-                    slot = slot_of((ranks[i], g))
-                    slots.append(new_slot(ranks[i], g, sizes[i]) if slot is None else slot)
-                    op_ix.append(op_map[block.op[i]])
-            if isinstance(pick, range):
                 for name, values in vals.items():
                     values.extend(getattr(block, name))
-            else:
-                for name, values in vals.items():
-                    column = getattr(block, name)
-                    values.extend(column[i] for i in pick)
+                continue
+            pick = [i for i, (j, a) in enumerate(zip(block.job_id, block.attempt))
+                    if j == job and a == self.attempt]
+            for i in pick:
+                g = names[groups[i]]
+                slot = slot_of((ranks[i], g))
+                slots.append(new_slot(ranks[i], g, sizes[i]) if slot is None else slot)
+                op_ix.append(op_map[block.op[i]])
+            for name, values in vals.items():
+                column = getattr(block, name)
+                values.extend(column[i] for i in pick)
         if not slots:
             return 0
         slot = np.asarray(slots, dtype=np.int64)
