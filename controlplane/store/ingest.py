@@ -36,11 +36,11 @@ Row invariants:
 
 from __future__ import annotations
 
-import math
-
+import contextlib
 import functools
 import itertools
 import json
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -59,7 +59,6 @@ from fleet.controlplane.store.schema import (
     Attempt,
     Checkpoint,
     ProcessGroupRow,
-    Step,
     WorkerStatusRow,
     metadata,
 )
@@ -98,7 +97,7 @@ class PreparedBatch:
 
     events: int = 0
     collectives: list[tuple] = field(default_factory=list)
-    steps: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[tuple] = field(default_factory=list)  # ``STEP_COLUMNS`` order
     statuses: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: dict[tuple, dict[str, Any]] = field(default_factory=dict)
     invalid_checkpoints: dict[tuple, dict[str, Any]] = field(default_factory=dict)
@@ -114,9 +113,8 @@ class PreparedBatch:
 
     def step_rows(self) -> Iterator[StepRow]:
         """The batch's steps."""
-        for s in self.steps:
-            yield StepRow(s["job_id"], s["attempt"], s["rank"], s["step"], s["end_ns"],
-                          s["step_time_s"], s["loss"])
+        for job_id, attempt, rank, step, loss, step_time_s, _, end_ns, *_ in self.steps:
+            yield StepRow(job_id, attempt, rank, step, end_ns, step_time_s, loss)
 
     def collective_rows(self) -> Iterator[CollectiveRow]:
         """The batch's collectives, in batch order."""
@@ -281,29 +279,50 @@ def _merged(rows: list[tuple]) -> list[tuple]:
     return [tuple(r) for r in out.values()]
 
 
+@contextlib.contextmanager
+def _dbapi_cursor(session: Session, what: str) -> Iterator[tuple[Any, str]]:
+    """The session connection's raw DBAPI cursor and dialect name, its errors translated as
+    SQLAlchemy's own would be. SQLAlchemy's per-row parameter handling costs more than the
+    database does for the bulk writes below."""
+    dialect = session.get_bind().dialect
+    cursor = session.connection().connection.dbapi_connection.cursor()
+    try:
+        yield cursor, dialect.name
+    except dialect.loaded_dbapi.Error as e:
+        raise DBAPIError.instance(what, None, e, dialect.loaded_dbapi.Error) from e
+    finally:
+        cursor.close()
+
+
+def _copy_rows(cursor: Any, table: str, columns: Sequence[str], rows: Sequence[tuple]) -> None:
+    with cursor.copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row(row)
+
+
 def _copy_upsert(session: Session, sql: str, table: str, stage: str, columns: Sequence[str],
                  rows: Sequence[tuple]) -> None:
     """Run one upsert statement over ``rows`` inside the caller's transaction:
     ``executemany`` of ``sql`` on SQLite; on PostgreSQL ``COPY`` into the session's staging
-    table ``stage`` (shaped like ``table``), then ``sql`` once (it selects from ``stage``).
-
-    The raw DBAPI cursor: SQLAlchemy's per-row parameter handling would cost more than
-    the database does. Its errors are translated as SQLAlchemy's own would be."""
-    dialect = session.get_bind().dialect
-    cursor = session.connection().connection.dbapi_connection.cursor()
-    try:
-        if dialect.name == "sqlite":
+    table ``stage`` (shaped like ``table``), then ``sql`` once (it selects from ``stage``)."""
+    with _dbapi_cursor(session, sql) as (cursor, dialect_name):
+        if dialect_name == "sqlite":
             cursor.executemany(sql, rows)
         else:
             cursor.execute(f"CREATE TEMP TABLE IF NOT EXISTS {stage} (LIKE {table}) ON COMMIT DELETE ROWS")
-            with cursor.copy(f"COPY {stage} ({', '.join(columns)}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
+            _copy_rows(cursor, stage, columns, rows)
             cursor.execute(sql)
-    except dialect.loaded_dbapi.Error as e:
-        raise DBAPIError.instance(sql, None, e, dialect.loaded_dbapi.Error) from e
-    finally:
-        cursor.close()
+
+
+def _copy_insert(session: Session, table: str, columns: Sequence[str], rows: Sequence[tuple]) -> None:
+    """Insert ``rows`` into ``table`` inside the caller's transaction: ``executemany`` on
+    SQLite, ``COPY`` on PostgreSQL."""
+    with _dbapi_cursor(session, f"insert into {table}") as (cursor, dialect_name):
+        if dialect_name == "sqlite":
+            cursor.executemany(f"INSERT INTO {table} ({', '.join(columns)}) "
+                               f"VALUES ({', '.join(['?'] * len(columns))})", rows)
+        else:
+            _copy_rows(cursor, table, columns, rows)
 
 
 def _write_collectives(session: Session, rows: list[tuple]) -> None:
@@ -346,22 +365,24 @@ def write_fronts(session: Session, rows: Sequence[tuple]) -> None:
 
 # -- the rest -------------------------------------------------------------------------------
 
-def _step_row(ev: events_pb2.StepEvent) -> dict[str, Any]:
-    return {
-        "job_id": ev.job_id, "attempt": ev.attempt, "rank": ev.rank, "step": ev.step,
+#: Step columns in ``PreparedBatch.steps`` order.
+STEP_COLUMNS = ("job_id", "attempt", "rank", "step", "loss", "step_time_s", "tokens_per_s", "end_ns",
+                "grad_norm", "lr", "mfu", "aux_loss", "imbalanced", "expert_load")
+
+
+def _step_row(ev: events_pb2.StepEvent) -> tuple:
+    loads = ev.expert_load
+    return (
+        ev.job_id, ev.attempt, ev.rank, ev.step,
         # SQLite keeps no NaN (it stores NULL, which steps.loss refuses): a NaN loss is kept
         # as +inf, still not finite for every reader; the watchdog saw the NaN itself
-        "loss": ev.loss if not math.isnan(ev.loss) else math.inf,
-        "step_time_s": ev.step_time_s, "tokens_per_s": ev.tokens_per_s,
-        "end_ns": ev.end_ns, "grad_norm": ev.grad_norm, "lr": ev.lr, "mfu": ev.mfu,
-        "aux_loss": ev.aux_loss,
-        "imbalanced": any(x.imbalanced for x in ev.expert_load),
-        "expert_load": _dumps([
-            {"layer": x.layer, "tokens_per_expert": list(x.tokens_per_expert),
-             "min_share": x.min_share, "max_share": x.max_share, "imbalanced": x.imbalanced}
-            for x in ev.expert_load
-        ]),
-    }
+        ev.loss if not math.isnan(ev.loss) else math.inf,
+        ev.step_time_s, ev.tokens_per_s, ev.end_ns, ev.grad_norm, ev.lr, ev.mfu, ev.aux_loss,
+        any(x.imbalanced for x in loads),
+        _dumps([{"layer": x.layer, "tokens_per_expert": list(x.tokens_per_expert),
+                 "min_share": x.min_share, "max_share": x.max_share, "imbalanced": x.imbalanced}
+                for x in loads]) if loads else "[]",
+    )
 
 
 def count_events(events: Sequence[events_pb2.Event]) -> int:
@@ -469,7 +490,7 @@ def write(session: Session, batches: Sequence[PreparedBatch]) -> None:
     # thousand agents' small batches must not cost a thousand statements)
     steps = list(itertools.chain.from_iterable(b.steps for b in batches))
     if steps:
-        session.execute(insert(Step.__table__), steps)
+        _copy_insert(session, "steps", STEP_COLUMNS, steps)
     groups = {k: v for b in batches for k, v in b.groups.items()}
     if groups:
         session.execute(
