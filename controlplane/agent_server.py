@@ -156,6 +156,24 @@ class AgentSession:
             await self._wake.wait()
 
 
+def _next_message(outbox: collections.deque[agent_pb2.ControllerMessage]) -> agent_pb2.ControllerMessage:
+    """Pop the next message to write; a run of plain acks becomes its last one (an ack
+    covers every batch up to its seq), so a busy stream writes one ack per wakeup, not one
+    per batch. A rejection is never merged away."""
+    msg = outbox.popleft()
+    if not _plain_ack(msg):
+        return msg
+    while outbox and _plain_ack(outbox[0]) and outbox[0].ack.epoch == msg.ack.epoch:
+        nxt = outbox.popleft()
+        if nxt.ack.seq >= msg.ack.seq:
+            msg = nxt
+    return msg
+
+
+def _plain_ack(msg: agent_pb2.ControllerMessage) -> bool:
+    return msg.WhichOneof("msg") == "ack" and not msg.ack.rejected
+
+
 class AgentRegistry:
     """Live agent sessions by node name (thread-safe)."""
 
@@ -305,7 +323,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 await session.wait_for_work()
                 # drain first: acks produced just before the stream ended still go out
                 while session.outbox:
-                    await context.write(session.outbox.popleft())
+                    await context.write(_next_message(session.outbox))
                 if session.done.is_set():
                     break
             if session.status is not None:

@@ -38,7 +38,8 @@ from fleet.controlplane.errors import UnavailableError
 from fleet.controlplane.store.ingest import InvalidBatch, PreparedBatch
 from fleet.controlplane.store.records import HealthRecord
 from fleet.controlplane.store.store import Store
-from fleet.proto import agent_pb2
+from fleet.proto import agent_pb2, fronts
+from fleet.proto.events_pb2 import CollectiveFronts
 
 if TYPE_CHECKING:  # the controller passes its metrics in; the store never builds them
     from fleet.controlplane.metrics import ControllerMetrics
@@ -92,7 +93,7 @@ class IngestWriter:
         self._health: list[HealthRecord] = []
         self._health_due: dict[str, float] = {}  # node -> monotonic time its next sample is stored
         self._queued_events = 0
-        self._fronts: dict[tuple, tuple] = {}   # (job, attempt, rank, group) -> newest row, unwritten
+        self._fronts: list[CollectiveFronts] = []  # blocks of committed batches, not yet written
         self._fronts_flush_s = fronts_flush_s
         self._fronts_due = time.monotonic() + fronts_flush_s
         self._closing = False
@@ -183,18 +184,15 @@ class IngestWriter:
                 self._flush_fronts()
 
     def _keep_fronts(self, items: list[Item]) -> None:
-        """The newest front per key of the fresh batches just committed."""
-        kept = self._fronts
+        """The fronts of the fresh batches just committed, for the next flush (which keeps
+        the newest per key)."""
         for item in items:
-            for row in item.rows.front_rows():  # type: ignore[union-attr]
-                key = row[:4]
-                have = kept.get(key)
-                if have is None or (row.entered_seq, row.completed_seq) >= (have.entered_seq, have.completed_seq):
-                    kept[key] = row
+            self._fronts.extend(item.rows.fronts)  # type: ignore[union-attr]
 
     def _flush_fronts(self) -> None:
-        rows, self._fronts = list(self._fronts.values()), {}
+        blocks, self._fronts = self._fronts, []
         self._fronts_due = time.monotonic() + self._fronts_flush_s
+        rows = fronts.newest(blocks)
         if not rows:
             return
         try:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from fleet.agent.fronts import DEFAULT_PULL_LAST, FrontKeeper
 from fleet.proto import columns, events_pb2
-from fleet.proto.fronts import FrontRow, signature, unpack
+from fleet.proto.fronts import FrontRow, newest, pack, signature, unpack
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -236,3 +236,29 @@ def test_a_job_larger_than_raw_ingest_max_ranks_gets_collective_fronts() -> None
     large = agent_settings("agent: {raw_ingest_max_ranks: 3, ring_entries: 16}\njob: {nodes: 2, ranks_per_node: 2}")
     assert (large.collective_fronts, large.ring_entries) == (True, 16)
     assert agent_settings("{}").ring_entries == 1024
+
+
+_front_rows = st.lists(st.tuples(st.sampled_from(["j1", "j2"]), st.integers(1, 2), st.integers(0, 3),
+                                 st.sampled_from(["tp0", "dp1"]), st.integers(0, 5), st.integers(0, 5),
+                                 st.integers(0, 3)), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=_front_rows, cuts=st.lists(st.integers(0, 40), max_size=4))
+def test_newest_folds_blocks_like_a_row_by_row_reference(rows: list[tuple], cuts: list[int]) -> None:
+    fronts_rows = [FrontRow(j, a, r, g, 4, max(e, c), c, 10 * e, 10 * c, f"op{e}", e, e, n)
+                   for j, a, r, g, e, c, n in rows]
+    bounds = sorted({0, len(fronts_rows), *(min(c, len(fronts_rows)) for c in cuts)})
+    blocks = [pack(fronts_rows[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    want: dict[tuple, FrontRow] = {}
+    total: dict[tuple, int] = {}
+    for row in fronts_rows:  # later rows win ties, as a report sent later does
+        key = row[:4]
+        total[key] = total.get(key, 0) + row.entered
+        have = want.get(key)
+        if have is None or (row.entered_seq, row.completed_seq) >= (have.entered_seq, have.completed_seq):
+            want[key] = row
+    got = newest(blocks)
+    assert len(got) == len(want)
+    assert {r[:4]: r._replace(entered=0) for r in got} == {k: r._replace(entered=0) for k, r in want.items()}
+    assert {r[:4]: r.entered for r in got} == total
