@@ -415,8 +415,8 @@ class Watchdog:
                     w.fronts.declare(g["group_name"], json.loads(g["ranks"]))
             oldest = None
             for block in batch.fronts:
-                if len(block.entered_ns):
-                    newest = np.maximum(np.asarray(block.entered_ns), np.asarray(block.completed_ns))
+                if len(block):
+                    newest = np.maximum(block.cols["entered_ns"], block.cols["completed_ns"])
                     oldest = int(newest.min()) if oldest is None else min(oldest, int(newest.min()))
                     blocks.append(block)
             if oldest is not None:

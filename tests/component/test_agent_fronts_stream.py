@@ -20,7 +20,7 @@ from fleet.controlplane.grpc_server import ControllerServer
 from fleet.controlplane.lifecycle import JobState
 from fleet.controlplane.store import Store
 from fleet.proto import agent_pb2, agent_pb2_grpc, columns, events_pb2
-from fleet.proto.fronts import FrontRow, unpack
+from fleet.proto.fronts import FrontRow
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,7 +38,7 @@ class _Seen:
 
     def __call__(self, node: str, rows) -> None:  # noqa: ANN001 (a PreparedBatch)
         with self._lock:
-            self.fronts.extend(r for block in rows.fronts for r in unpack(block))
+            self.fronts.extend(rows.front_rows())
             self.collectives += len(rows.collectives)
 
     def newest(self) -> dict[tuple[int, str], FrontRow]:

@@ -8,8 +8,11 @@ signature of the op entered), and keep the raw entries in a ring for a ``TracePu
 ``signature`` is how a desync shows in a front: ranks at the same sequence number of one
 group that entered different ops (or sizes, or dtypes) have different signatures.
 
-``FrontRow`` is one row; ``pack`` and ``unpack`` convert rows to and from a block;
-``newest`` folds many blocks into one row per key, column-wise.
+``FrontRow`` is one row; ``pack`` and ``unpack`` convert rows to and from a block.
+``FrontColumns`` is a block read once into numpy columns (``columns_of``): the controller's
+ingest, writer and watchdog all work on those, never on the message's repeated fields
+(reading one costs as much as the rest of the work on it); ``newest`` folds many into one
+row per key, column-wise.
 """
 
 from __future__ import annotations
@@ -87,21 +90,48 @@ def unpack(block: events_pb2.CollectiveFronts) -> list[FrontRow]:
     return [FrontRow(*values) for values in zip(*columns)]
 
 
-def newest(blocks: Iterable[events_pb2.CollectiveFronts]) -> list[FrontRow]:
+class FrontColumns(NamedTuple):
+    """A block's columns as int64 arrays (``COLUMNS`` names; those of ``STRING_COLUMNS``
+    hold indexes into ``strings``)."""
+
+    strings: list[str]
+    cols: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.cols["job_id"])
+
+    def rows(self) -> list[FrontRow]:
+        """The block's rows."""
+        names = self.strings
+        columns = [[names[i] for i in self.cols[c].tolist()] if c in STRING_COLUMNS else self.cols[c].tolist()
+                   for c in COLUMNS]
+        return [FrontRow(*values) for values in zip(*columns)]
+
+
+def columns_of(block: events_pb2.CollectiveFronts | FrontColumns) -> FrontColumns:
+    """``block`` as ``FrontColumns`` (no validation: columns of unequal length stay so)."""
+    if isinstance(block, FrontColumns):
+        return block
+    return FrontColumns(list(block.strings), {
+        name: np.fromiter(values, dtype=np.int64, count=len(values))
+        for name in COLUMNS for values in (getattr(block, name),)})
+
+
+def newest(blocks: Iterable[FrontColumns | events_pb2.CollectiveFronts]) -> list[FrontRow]:
     """One row per (job, attempt, rank, group) of ``blocks``: the one furthest on (the
     highest ``entered_seq``, then ``completed_seq``; of equals, the later one), its
     ``entered`` the sum over the key's rows. Column-wise: a few numpy passes over all rows,
     not a Python step per row, so a large job's reports fold cheaply."""
     strings: dict[str, int] = {}
     parts: dict[str, list[np.ndarray]] = {c: [] for c in COLUMNS}
-    for block in blocks:
-        if not len(block.job_id):
+    for block in map(columns_of, blocks):
+        if not len(block):
             continue
         # the block's string indexes -> indexes into ``strings``
         ids = np.fromiter((strings.setdefault(t, len(strings)) for t in block.strings), dtype=np.int64,
                           count=len(block.strings))
         for name in COLUMNS:
-            values = np.asarray(getattr(block, name), dtype=np.int64)
+            values = block.cols[name]
             parts[name].append(ids[values] if name in STRING_COLUMNS else values)
     if not parts["job_id"]:
         return []
@@ -113,9 +143,6 @@ def newest(blocks: Iterable[events_pb2.CollectiveFronts]) -> list[FrontRow]:
     last[:-1] = np.logical_or.reduce([k[1:] != k[:-1] for k in ordered])
     starts = np.flatnonzero(np.concatenate(([True], last[:-1])))
     entered = np.add.reduceat(col["entered"][order], starts)
-    pick = order[last]
-    names = list(strings)
-    out = {name: ([names[i] for i in col[name][pick].tolist()] if name in STRING_COLUMNS
-                  else col[name][pick].tolist()) for name in COLUMNS}
-    out["entered"] = entered.tolist()
-    return [FrontRow(*values) for values in zip(*(out[c] for c in COLUMNS))]
+    picked = {name: col[name][order[last]] for name in COLUMNS}
+    picked["entered"] = entered
+    return FrontColumns(list(strings), picked).rows()
