@@ -66,12 +66,20 @@ def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _marker_sql(dialect_name: str, n: int) -> str:
-    """``INSERT`` of ``n`` ingest_batches keys that returns those not stored before."""
-    mark = "?" if dialect_name == "sqlite" else "%s"
-    row = f"({', '.join([mark] * 5)})"
+def _marker_sql(n: int) -> str:
+    """``INSERT`` of ``n`` ingest_batches keys that returns those not stored before
+    (SQLite's form)."""
+    row = "(?, ?, ?, ?, ?)"
     return ("INSERT INTO ingest_batches (agent_id, epoch, seq, committed_at, n_events) VALUES "
             + ", ".join([row] * n) + " ON CONFLICT (agent_id, epoch, seq) DO NOTHING RETURNING agent_id, epoch, seq")
+
+
+#: PostgreSQL's form of ``_marker_sql``: the keys as arrays, so the statement's text (and
+#: psycopg's parse of it) is the same for any number of batches.
+_PG_MARKER_SQL = (
+    "INSERT INTO ingest_batches (agent_id, epoch, seq, committed_at, n_events) "
+    "SELECT * FROM unnest(%s::varchar[], %s::bigint[], %s::bigint[], %s::float8[], %s::integer[]) "
+    "ON CONFLICT (agent_id, epoch, seq) DO NOTHING RETURNING agent_id, epoch, seq")
 
 
 class TelemetryMethods(StoreBase):
@@ -107,12 +115,18 @@ class TelemetryMethods(StoreBase):
                 dialect = s.get_bind().dialect
                 cursor = s.connection().connection.dbapi_connection.cursor()
                 try:
-                    for i in range(0, len(batches), self.MARKER_CHUNK):
-                        chunk = batches[i:i + self.MARKER_CHUNK]
-                        params = [v for agent_id, epoch, seq, rows in chunk
-                                  for v in (agent_id, epoch, seq, now, rows.events)]
-                        cursor.execute(_marker_sql(dialect.name, len(chunk)), params)
+                    if dialect.name == "postgresql":  # one short statement over arrays
+                        cursor.execute(_PG_MARKER_SQL, [
+                            [b[0] for b in batches], [b[1] for b in batches], [b[2] for b in batches],
+                            [now] * len(batches), [b[3].events for b in batches]])
                         new_keys.update(tuple(r) for r in cursor.fetchall())
+                    else:
+                        for i in range(0, len(batches), self.MARKER_CHUNK):
+                            chunk = batches[i:i + self.MARKER_CHUNK]
+                            params = [v for agent_id, epoch, seq, rows in chunk
+                                      for v in (agent_id, epoch, seq, now, rows.events)]
+                            cursor.execute(_marker_sql(len(chunk)), params)
+                            new_keys.update(tuple(r) for r in cursor.fetchall())
                 except dialect.loaded_dbapi.Error as e:
                     raise DBAPIError.instance("ingest_batches marker", None, e, dialect.loaded_dbapi.Error) from e
                 finally:
