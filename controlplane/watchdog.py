@@ -74,7 +74,6 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from fleet.controlplane import detectors
 from fleet.controlplane.config import ControllerConfig, DetectConfig
@@ -415,9 +414,10 @@ class Watchdog:
                     w.fronts.declare(g["group_name"], json.loads(g["ranks"]))
             oldest = None
             for block in batch.fronts:
-                if len(block):
-                    newest = np.maximum(block.cols["entered_ns"], block.cols["completed_ns"])
-                    oldest = int(newest.min()) if oldest is None else min(oldest, int(newest.min()))
+                if len(block.entered_ns):
+                    # the oldest of the rows' newest timestamps (enter, or completion once completed)
+                    stalest = min(map(max, block.entered_ns, block.completed_ns))
+                    oldest = stalest if oldest is None else min(oldest, stalest)
                     blocks.append(block)
             if oldest is not None:
                 w.lags.append(max(0.0, (arrival_ns - oldest) / 1e9))

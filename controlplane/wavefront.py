@@ -35,7 +35,7 @@ import numpy as np
 
 from fleet.proto import events_pb2
 from fleet.proto.flight_record import P2P_SUFFIX
-from fleet.proto.fronts import FrontColumns, FrontRow, columns_of
+from fleet.proto.fronts import FrontColumns, FrontRow, merge
 
 #: The columns ``Wavefronts.apply`` gathers from blocks: slots and op indexes, then the
 #: blocks' own columns.
@@ -136,40 +136,32 @@ class Wavefronts:
     def declared(self, group: str) -> bool:
         return group in self._declared
 
-    def apply(self, blocks: Iterable[FrontColumns | events_pb2.CollectiveFronts]) -> int:
+    def apply(self, blocks: Iterable[events_pb2.CollectiveFronts] | FrontColumns) -> int:
         """Fold blocks in (their rows of this job and attempt), in one vectorised update;
         returns the rows taken. A row costs no Python step unless its (rank, group) is new."""
         self._reindex()
-        parts: dict[str, list[np.ndarray]] = {c: [] for c in _APPLIED}
-        for block in map(columns_of, blocks):
-            strings = block.strings
-            try:
-                job = strings.index(self.job_id)
-            except ValueError:
-                continue
-            c = block.cols
-            take = (c["job_id"] == job) & (c["attempt"] == self.attempt)
-            if not take.all():
-                c = {name: values[take] for name, values in c.items()}
-            if not len(c["rank"]):
-                continue
-            # the block's string indexes -> this table's group and op indexes
-            gmap = np.zeros(len(strings), dtype=np.int64)
-            omap = np.zeros(len(strings), dtype=np.int64)
-            for i in np.unique(c["group"]).tolist():
-                gmap[i] = self._group(strings[i])
-            for i in np.unique(c["op"]).tolist():
-                omap[i] = self._op(strings[i])
-            slots = self._lookup(self._key(c["rank"], gmap[c["group"]]))
-            for i in np.flatnonzero(slots < 0).tolist():  # new (rank, group)s, or added this call
-                slots[i] = self._slot(int(c["rank"][i]), strings[int(c["group"][i])], int(c["group_size"][i]))
-            parts["slot"].append(slots)
-            parts["op"].append(omap[c["op"]])
-            for name in _APPLIED[2:]:
-                parts[name].append(c[name])
-        if not parts["slot"]:
+        merged = blocks if isinstance(blocks, FrontColumns) else merge(blocks)
+        strings = merged.strings
+        if self.job_id not in strings:
             return 0
-        v = {name: np.concatenate(arrays) for name, arrays in parts.items()}
+        job = strings.index(self.job_id)
+        c = merged.cols
+        take = (c["job_id"] == job) & (c["attempt"] == self.attempt)
+        if not take.all():
+            c = {name: values[take] for name, values in c.items()}
+        if not len(c["rank"]):
+            return 0
+        # string indexes -> this table's group and op indexes
+        gmap = np.zeros(len(strings), dtype=np.int64)
+        omap = np.zeros(len(strings), dtype=np.int64)
+        for i in np.unique(c["group"]).tolist():
+            gmap[i] = self._group(strings[i])
+        for i in np.unique(c["op"]).tolist():
+            omap[i] = self._op(strings[i])
+        slots = self._lookup(self._key(c["rank"], gmap[c["group"]]))
+        for i in np.flatnonzero(slots < 0).tolist():  # new (rank, group)s
+            slots[i] = self._slot(int(c["rank"][i]), strings[int(c["group"][i])], int(c["group_size"][i]))
+        v = {"slot": slots, "op": omap[c["op"]], **{name: c[name] for name in _APPLIED[2:]}}
         slot, e, c = v["slot"], v["entered_seq"], v["completed_seq"]
         # the furthest row per slot (rows of one slot may repeat across blocks)
         order = np.lexsort((c, e, slot))

@@ -274,7 +274,7 @@ def _show(report: dict[str, Any], view: _View, last_steps: int, json_out: bool) 
         if "collectives" in a:
             a["collectives"] = [c for c in a["collectives"] if view.keep(c, seq_key="")]
     top = report["attempts"][-1]["diagnosis"] if report["attempts"] else {
-        "source": f"store:{job_id}", "attempt": None, "verdict": "empty", "culprit_ranks": [],
+        "source": f"store:{report['job']['id']}", "attempt": None, "verdict": "empty", "culprit_ranks": [],
         "findings": []}
     if json_out:
         print_json({**top, "job": report["job"], "attempts": report["attempts"],

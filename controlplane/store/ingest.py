@@ -41,12 +41,12 @@ import functools
 import itertools
 import json
 import math
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from sqlalchemy import insert, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -65,7 +65,7 @@ from fleet.controlplane.store.schema import (
 )
 from fleet.controlplane.store.records import CKPT_INVALID, CollectiveRow, StatusRow, StepRow
 from fleet.proto import columns, events_pb2, fronts
-from fleet.proto.fronts import FrontColumns, FrontRow
+from fleet.proto.fronts import FrontRow
 from fleet.proto.vocab import canonical_op
 
 _STATUS_NAMES = events_pb2.WorkerStatus.State
@@ -107,7 +107,7 @@ class PreparedBatch:
     restored: list[tuple[str, int, int]] = field(default_factory=list)
     #: validated ``CollectiveFronts`` blocks (a large job's collectives, summarised): not
     #: written per batch; the writer keeps the newest per key and persists them periodically
-    fronts: list[FrontColumns] = field(default_factory=list)
+    fronts: list[events_pb2.CollectiveFronts] = field(default_factory=list)
 
     # Typed views for readers outside the store package (the watchdog), so that no one
     # there indexes these rows by position or by column name.
@@ -123,8 +123,7 @@ class PreparedBatch:
 
     def front_rows(self) -> Iterator[FrontRow]:
         """The batch's fronts, block by block."""
-        for block in self.fronts:
-            yield from block.rows()
+        return iter(fronts.merge(self.fronts).rows())
 
     def status_rows(self) -> Iterator[StatusRow]:
         """The batch's worker statuses."""
@@ -214,32 +213,29 @@ def _column_rows(block: events_pb2.CollectiveColumns) -> list[tuple]:
     ))
 
 
-def _check_fronts(block: events_pb2.CollectiveFronts) -> FrontColumns:
-    """Validate a fronts block (column lengths, string indexes and lengths, seq order);
-    its columns, read once for every later use."""
+def _check_fronts(block: events_pb2.CollectiveFronts) -> None:
+    """Validate a fronts block (column lengths, string indexes and lengths, seq order).
+    Builtins over the repeated fields (C loops): a large job sends thousands a second."""
     n = len(block.job_id)
     for name in fronts.COLUMNS:
         if len(getattr(block, name)) != n:
             raise InvalidBatch(f"fronts.{name} has {len(getattr(block, name))} values, fronts.job_id has {n}")
-    out = fronts.columns_of(block)
     if n == 0:
-        return out
-    strings, cols = out.strings, out.cols
+        return
+    strings = block.strings
     for name, limit in (("job_id", JOB_ID_LEN), ("group", NAME_LEN), ("op", OP_LEN)):
-        used = np.unique(cols[name]).tolist()
-        if used[0] < 0 or used[-1] >= len(strings):
-            raise InvalidBatch(f"fronts.{name}: index {used[-1]} outside strings ({len(strings)} entries)")
+        used = set(getattr(block, name))
+        if max(used) >= len(strings):
+            raise InvalidBatch(f"fronts.{name}: index {max(used)} outside strings ({len(strings)} entries)")
         longest = max((strings[i] for i in used), key=len)
         if len(longest) > limit:
             raise InvalidBatch(f"fronts.{name}: {longest[:80]!r} is longer than {limit} characters")
         if name == "job_id" and "" in {strings[i] for i in used}:
             raise InvalidBatch("fronts.job_id: empty string")
-    entered, completed = cols["entered_seq"], cols["completed_seq"]
-    if entered.min() < 0 or completed.min() < 0:
+    if min(block.entered_seq) < 0 or min(block.completed_seq) < 0:
         raise InvalidBatch("fronts: a negative seq")
-    if (completed > entered).any():
+    if any(map(operator.gt, block.completed_seq, block.entered_seq)):
         raise InvalidBatch("fronts: completed_seq above entered_seq")
-    return out
 
 
 _STAGE = "fleet_stage_collectives"
@@ -416,7 +412,8 @@ def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
             if kind == "collectives":
                 out.collectives.extend(_column_rows(event.collectives))
             elif kind == "fronts":
-                out.fronts.append(_check_fronts(event.fronts))
+                _check_fronts(event.fronts)
+                out.fronts.append(event.fronts)
             elif kind == "step":
                 out.steps.append(_step_row(event.step))
             elif kind == "status":

@@ -23,7 +23,6 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 
 from fleet.controlplane.store import ingest
 from fleet.controlplane.store.base import StoreBase
-from fleet.controlplane.store.engine import upsert
 from fleet.controlplane.store.records import (
     CollectiveRecord,
     CollectiveSummary,

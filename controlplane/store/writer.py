@@ -39,6 +39,7 @@ from fleet.controlplane.store.ingest import InvalidBatch, PreparedBatch
 from fleet.controlplane.store.records import HealthRecord
 from fleet.controlplane.store.store import Store
 from fleet.proto import agent_pb2, fronts
+from fleet.proto.events_pb2 import CollectiveFronts
 
 if TYPE_CHECKING:  # the controller passes its metrics in; the store never builds them
     from fleet.controlplane.metrics import ControllerMetrics
@@ -92,7 +93,7 @@ class IngestWriter:
         self._health: list[HealthRecord] = []
         self._health_due: dict[str, float] = {}  # node -> monotonic time its next sample is stored
         self._queued_events = 0
-        self._fronts: list[fronts.FrontColumns] = []  # blocks of committed batches, not yet written
+        self._fronts: list[CollectiveFronts] = []  # blocks of committed batches, not yet written
         self._fronts_flush_s = fronts_flush_s
         self._fronts_due = time.monotonic() + fronts_flush_s
         self._closing = False

@@ -9,10 +9,11 @@ signature of the op entered), and keep the raw entries in a ring for a ``TracePu
 group that entered different ops (or sizes, or dtypes) have different signatures.
 
 ``FrontRow`` is one row; ``pack`` and ``unpack`` convert rows to and from a block.
-``FrontColumns`` is a block read once into numpy columns (``columns_of``): the controller's
-ingest, writer and watchdog all work on those, never on the message's repeated fields
-(reading one costs as much as the rest of the work on it); ``newest`` folds many into one
-row per key, column-wise.
+``FrontColumns`` is many blocks read at once into numpy columns (``merge``): the
+controller's writer and watchdog work on those, column-wise. Converting a message's
+repeated field to an array costs microseconds however short it is, so blocks are merged
+first (a list ``extend`` per column, at C speed) and converted once. ``newest`` folds
+blocks into one row per key.
 """
 
 from __future__ import annotations
@@ -108,41 +109,44 @@ class FrontColumns(NamedTuple):
         return [FrontRow(*values) for values in zip(*columns)]
 
 
-def columns_of(block: events_pb2.CollectiveFronts | FrontColumns) -> FrontColumns:
-    """``block`` as ``FrontColumns`` (no validation: columns of unequal length stay so)."""
-    if isinstance(block, FrontColumns):
-        return block
-    return FrontColumns(list(block.strings), {
-        name: np.fromiter(values, dtype=np.int64, count=len(values))
-        for name in COLUMNS for values in (getattr(block, name),)})
+def merge(blocks: Iterable[events_pb2.CollectiveFronts]) -> FrontColumns:
+    """The rows of ``blocks`` (validated: columns of equal length) as one ``FrontColumns``,
+    in order, string indexes resolved to one table."""
+    values: dict[str, list[int]] = {c: [] for c in COLUMNS}
+    texts: list[str] = []
+    offsets: list[int] = []
+    lengths: list[int] = []
+    for block in blocks:
+        offsets.append(len(texts))
+        lengths.append(len(block.job_id))
+        texts.extend(block.strings)
+        for name, column in values.items():
+            column.extend(getattr(block, name))
+    strings: dict[str, int] = {}
+    ids = np.fromiter((strings.setdefault(t, len(strings)) for t in texts), dtype=np.int64, count=len(texts))
+    base = np.repeat(np.asarray(offsets, dtype=np.int64), lengths)
+    cols = {}
+    for name, column in values.items():
+        array = np.array(column, dtype=np.int64)
+        cols[name] = ids[base + array] if name in STRING_COLUMNS and len(array) else array
+    return FrontColumns(list(strings), cols)
 
 
-def newest(blocks: Iterable[FrontColumns | events_pb2.CollectiveFronts]) -> list[FrontRow]:
+def newest(blocks: Iterable[events_pb2.CollectiveFronts]) -> list[FrontRow]:
     """One row per (job, attempt, rank, group) of ``blocks``: the one furthest on (the
     highest ``entered_seq``, then ``completed_seq``; of equals, the later one), its
     ``entered`` the sum over the key's rows. Column-wise: a few numpy passes over all rows,
     not a Python step per row, so a large job's reports fold cheaply."""
-    strings: dict[str, int] = {}
-    parts: dict[str, list[np.ndarray]] = {c: [] for c in COLUMNS}
-    for block in map(columns_of, blocks):
-        if not len(block):
-            continue
-        # the block's string indexes -> indexes into ``strings``
-        ids = np.fromiter((strings.setdefault(t, len(strings)) for t in block.strings), dtype=np.int64,
-                          count=len(block.strings))
-        for name in COLUMNS:
-            values = block.cols[name]
-            parts[name].append(ids[values] if name in STRING_COLUMNS else values)
-    if not parts["job_id"]:
+    merged = merge(blocks)
+    if not len(merged):
         return []
-    col = {name: np.concatenate(arrays) for name, arrays in parts.items()}
+    col = merged.cols
     key = (col["group"], col["rank"], col["attempt"], col["job_id"])
-    order = np.lexsort((np.arange(len(col["job_id"])), col["completed_seq"], col["entered_seq"], *key))
+    order = np.lexsort((np.arange(len(merged)), col["completed_seq"], col["entered_seq"], *key))
     ordered = [k[order] for k in key]
     last = np.ones(len(order), dtype=bool)  # the last row of each key's run
     last[:-1] = np.logical_or.reduce([k[1:] != k[:-1] for k in ordered])
     starts = np.flatnonzero(np.concatenate(([True], last[:-1])))
-    entered = np.add.reduceat(col["entered"][order], starts)
     picked = {name: col[name][order[last]] for name in COLUMNS}
-    picked["entered"] = entered
-    return FrontColumns(list(strings), picked).rows()
+    picked["entered"] = np.add.reduceat(col["entered"][order], starts)
+    return FrontColumns(merged.strings, picked).rows()
