@@ -20,7 +20,6 @@ steps aggregated in SQL over the newest ``last_steps``. Returns plain dicts (the
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,20 +66,6 @@ def has_fronts(store: Store, job_id: str) -> bool:
     return any(store.count_fronts(job_id, a.number) for a in store.get_attempts(job_id))
 
 
-class _Declared:
-    """A ``TraceSource`` narrowed to the diagnosed groups' declarations, so that
-    ``attempt_traces`` never reads every rank's process groups."""
-
-    def __init__(self, store: Store, groups: Sequence[str]) -> None:
-        self._store, self._groups = store, list(groups)
-
-    def process_groups(self, job_id: str, attempt: int) -> Iterable[Any]:
-        return self._store.declared_groups(job_id, attempt, groups=self._groups)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-
 def pulled_traces(store: Store, job_id: str, attempt: Any) -> tuple[Any, Any, list[str], dict[str, int]]:
     """(traces, ``Diagnosis``, the groups they cover, per pulled group left out: how many of
     its members have no pulled entries); traces and diagnosis None when no group was
@@ -92,7 +77,7 @@ def pulled_traces(store: Store, job_id: str, attempt: Any) -> tuple[Any, Any, li
     if not complete:
         return None, None, [], partial
     rows = store.collectives_of(job_id, attempt.number, complete)
-    traces = attempt_traces(_Declared(store, complete), job_id, attempt.number, rows, complete)
+    traces = attempt_traces(store, job_id, attempt.number, rows, complete)
     live = attempt.state in LIVE_STATES
     return traces, diagnose(traces, DiagnosisConfig(), now_ns=time.time_ns() if live else None), complete, partial
 

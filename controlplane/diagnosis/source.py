@@ -100,8 +100,10 @@ class TraceSource(Protocol):
         ``groups`` only, when given)."""
         ...
 
-    def process_groups(self, job_id: str, attempt: int) -> Iterable[StoredGroup]:
-        """What each rank of the attempt declared of its groups."""
+    def process_groups(self, job_id: str, attempt: int, *,
+                       groups: Sequence[str] | None = None) -> Iterable[StoredGroup]:
+        """What each rank of the attempt declared of its groups (of ``groups`` only, when
+        given: a large job's every declaration is tens of thousands of member lists)."""
         ...
 
     def ranks(self, job_id: str, attempt: int) -> Iterable[StoredRank]:
@@ -129,9 +131,8 @@ def attempt_traces(source: TraceSource, job_id: str, attempt: int,
             b = builders[rank] = TraceBuilder(rank, table, source="store")
         return b
 
-    for g in source.process_groups(job_id, attempt):
-        if only is not None and g.group not in only:
-            continue
+    for g in (source.process_groups(job_id, attempt) if groups is None else
+              source.process_groups(job_id, attempt, groups=groups)):
         for name in (g.group, p2p_group(g.group)):
             builder(g.rank).declare_group(name, g.desc, g.ranks)
     for c in source.collectives(job_id, attempt) if rows is None else rows:

@@ -227,11 +227,15 @@ class TelemetryMethods(StoreBase):
         with self._tx(write=False) as s:
             return [_collective_record(r) for r in s.execute(stmt)]
 
-    def process_groups(self, job_id: str, attempt: int | None = None) -> list[ProcessGroupRecord]:
-        """Process groups as the ranks declared them, ordered by attempt, group, rank."""
+    def process_groups(self, job_id: str, attempt: int | None = None, *,
+                       groups: Sequence[str] | None = None) -> list[ProcessGroupRecord]:
+        """Process groups as the ranks declared them (of ``groups`` only, when given),
+        ordered by attempt, group, rank."""
         stmt = select(ProcessGroupRow).where(ProcessGroupRow.job_id == job_id)
         if attempt is not None:
             stmt = stmt.where(ProcessGroupRow.attempt == attempt)
+        if groups is not None:
+            stmt = stmt.where(ProcessGroupRow.group_name.in_(list(groups)))
         stmt = stmt.order_by(ProcessGroupRow.attempt, ProcessGroupRow.group_name, ProcessGroupRow.rank)
         with self._tx(write=False) as s:
             return [ProcessGroupRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
