@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds between writes of the newest fronts to the store.
 FRONTS_FLUSH_S = 2.0
+#: ... or less often: a flush that took t seconds is followed by the next no sooner than
+#: FRONTS_FLUSH_COST * t later.
+FRONTS_FLUSH_COST = 25
 #: Host health samples stored per second at most, over all nodes.
 HEALTH_ROWS_PER_S = 200.0
 
@@ -190,15 +193,18 @@ class IngestWriter:
             self._fronts.extend(item.rows.fronts)  # type: ignore[union-attr]
 
     def _flush_fronts(self) -> None:
+        started = time.monotonic()
         blocks, self._fronts = self._fronts, []
-        self._fronts_due = time.monotonic() + self._fronts_flush_s
         rows = fronts.newest(blocks)
-        if not rows:
-            return
         try:
-            self._store.record_fronts(rows)
+            if rows:
+                self._store.record_fronts(rows)
         except Exception:  # noqa: BLE001 - fronts are state: the next ones replace these
             log.exception("ingest writer: writing %d fronts failed (the next flush writes newer ones)", len(rows))
+        # a large job's flush is tens of thousands of rows: it may take at most
+        # 1/FRONTS_FLUSH_COST of the writer's time, the rest is for the batches
+        now = time.monotonic()
+        self._fronts_due = now + max(self._fronts_flush_s, FRONTS_FLUSH_COST * (now - started))
 
     def _commit(self, group: list[Item]) -> None:
         live = [i for i in group if not i.stream.failed]
