@@ -35,7 +35,7 @@ import threading
 from collections.abc import Iterable
 
 from fleet.proto import events_pb2
-from fleet.proto.fronts import FrontRow, pack, signature
+from fleet.proto.fronts import FrontRow, pack, signature, unpack
 
 #: Rows per (rank, group) a ``TracePull`` gets when its ``last`` is 0.
 DEFAULT_PULL_LAST = 64
@@ -153,11 +153,10 @@ class FrontKeeper:
     def untake(self, block: events_pb2.CollectiveFronts) -> None:
         """Put back the rows of a ``take`` that could not be sent: the next ``take`` returns
         them again (as they are then), ``entered`` counting from before the lost one."""
-        s = block.strings
         with self._lock:
-            for j, a, r, g, seq, entered in zip(block.job_id, block.attempt, block.rank, block.group,
-                                                block.entered_seq, block.entered):
-                t = self._tracks.get((s[j], a), {}).get((r, s[g]))
+            for row in unpack(block):
+                seq, entered = row.entered_seq, row.entered
+                t = self._tracks.get((row.job_id, row.attempt), {}).get((row.rank, row.group))
                 if t is not None:
                     t.taken_seq = min(t.taken_seq, seq - entered)
                     self._dirty.add(t)

@@ -53,7 +53,7 @@ from fleet.proto.contract import (
     AGENT_MESSAGE_BATCH_TAG, CONNECT_METHOD_PATH, EVENT_BATCH_EVENTS_TAG, TOKEN_METADATA_KEY, encode_varint,
     length_delimited_tag,
 )
-from fleet.proto.fronts import signature
+from fleet.proto.fronts import PACKED_COLUMNS, signature
 
 STREAMS_PER_CHANNEL = 64
 HEARTBEAT_INTERVAL_S = 1.0
@@ -112,6 +112,23 @@ def _fronts_event(block: bytes) -> bytes:
     return _length_delimited(EVENT_BATCH_EVENTS_TAG, _length_delimited(_FRONTS_TAG, block))
 
 
+_STRINGS_TAG = length_delimited_tag(events_pb2.CollectiveFronts.DESCRIPTOR.fields_by_name["strings"])
+_PACKED_TAG = length_delimited_tag(events_pb2.CollectiveFronts.DESCRIPTOR.fields_by_name["packed"])
+_STATIC = PACKED_COLUMNS[:4]  # job_id, rank, group, group_size: fixed per (rank, group)
+assert PACKED_COLUMNS[4:] == ("attempt", "entered_seq", "completed_seq", "entered_ns", "completed_ns", "op",
+                              "signature", "step", "entered")
+
+
+def _packed_values(*columns: np.ndarray) -> bytes:
+    """The value columns of ``CollectiveFronts.packed`` (``PACKED_COLUMNS[4:]``, in order)."""
+    return np.concatenate(columns).astype("<i8").tobytes()
+
+
+def _fronts_block(strings: bytes, static: bytes, values: bytes) -> bytes:
+    """An encoded ``CollectiveFronts``: its encoded ``strings`` fields, then ``packed``."""
+    return strings + _length_delimited(_PACKED_TAG, static + values)
+
+
 class _Template:
     """One tick's fronts of a node whose ranks all follow the schedule (every node but a
     fault's culprit's): computed once per tick, shared by all such nodes. ``last_e`` is the
@@ -128,14 +145,12 @@ class _Template:
         if len(self.idx):
             idx, n = self.idx, len(self.idx)
 
-            def col(a: np.ndarray) -> list[int]:
-                return np.tile(a, RANKS_PER_NODE)[idx].tolist()
+            def col(a: np.ndarray) -> np.ndarray:
+                return np.tile(a, RANKS_PER_NODE)[idx]
 
-            self.values = events_pb2.CollectiveFronts(
-                job_id=[0] * n, attempt=[agents.attempt] * n, entered_seq=self.e.ravel()[idx].tolist(),
-                completed_seq=self.c.ravel()[idx].tolist(), entered_ns=col(view.entered_ns),
-                completed_ns=col(view.completed_ns), op=col(view.op), signature=col(view.sig), step=col(view.step),
-                entered=(self.e - last_e).ravel()[idx].tolist()).SerializeToString()
+            self.values = _packed_values(
+                np.full(n, agents.attempt), self.e.ravel()[idx], self.c.ravel()[idx], col(view.entered_ns),
+                col(view.completed_ns), col(view.op), col(view.sig), col(view.step), (self.e - last_e).ravel()[idx])
 
 
 class Node:
@@ -240,22 +255,26 @@ class Node:
             self.last_e, self.last_c = template.e, template.c
             if template.values is None:
                 return events, b""
-            return events, _fronts_event(self._static(template.idx) + template.values)
+            return events, _fronts_event(_fronts_block(*self._static(template.idx), template.values))
         block = self._fronts(views)
-        return events, b"" if block is None else _fronts_event(block.SerializeToString())
+        return events, b"" if block is None else _fronts_event(block)
 
-    def _static(self, idx: np.ndarray) -> bytes:
-        """The encoded strings, rank, group and group_size columns of rows ``idx``."""
+    def _static(self, idx: np.ndarray) -> tuple[bytes, bytes]:
+        """(the encoded strings fields, the packed job_id, rank, group and group_size
+        columns) of rows ``idx``."""
         key = idx.tobytes()
         data = self._static_cache.get(key)
         if data is None:
-            data = self._static_cache[key] = events_pb2.CollectiveFronts(
-                strings=[self.agents.job, *OP_NAMES, *self.group_names], rank=self.row_rank[idx].tolist(),
-                group=self.row_group[idx].tolist(), group_size=self.row_size[idx].tolist()).SerializeToString()
+            strings = b"".join(_length_delimited(_STRINGS_TAG, t.encode())
+                               for t in [self.agents.job, *OP_NAMES, *self.group_names])
+            static = np.concatenate([np.zeros(len(idx), dtype=np.int64), self.row_rank[idx], self.row_group[idx],
+                                     self.row_size[idx]]).astype("<i8").tobytes()
+            data = self._static_cache[key] = (strings, static)
         return data
 
-    def _fronts(self, views: dict) -> events_pb2.CollectiveFronts | None:
-        """The general path (the fault's culprit's node): rows computed for this node."""
+    def _fronts(self, views: dict) -> bytes | None:
+        """The general path (the fault's culprit's node): the encoded block of rows computed
+        for this node."""
         base = views["all"]
         culprit = self.agents.fault.rank if self.agents.fault is not None else -1
         local = culprit - self.ranks[0]
@@ -271,16 +290,12 @@ class Node:
         entered = (e - self.last_e).ravel()[idx]
         self.last_e, self.last_c = e, c
 
-        def col(name: str) -> list[int]:
-            return np.stack([getattr(v, name) for v in rows_of]).ravel()[idx].tolist()
+        def col(name: str) -> np.ndarray:
+            return np.stack([getattr(v, name) for v in rows_of]).ravel()[idx]
 
-        a = self.agents
-        return events_pb2.CollectiveFronts(
-            strings=[a.job, *OP_NAMES, *self.group_names], job_id=[0] * len(idx), attempt=[a.attempt] * len(idx),
-            rank=self.row_rank[idx].tolist(), group=self.row_group[idx].tolist(),
-            group_size=self.row_size[idx].tolist(), entered_seq=e.ravel()[idx].tolist(),
-            completed_seq=c.ravel()[idx].tolist(), entered_ns=col("entered_ns"), completed_ns=col("completed_ns"),
-            op=col("op"), signature=col("sig"), step=col("step"), entered=entered.tolist())
+        values = _packed_values(np.full(len(idx), self.agents.attempt), e.ravel()[idx], c.ravel()[idx],
+                                col("entered_ns"), col("completed_ns"), col("op"), col("sig"), col("step"), entered)
+        return _fronts_block(*self._static(idx), values)
 
     def pull(self, cmd: events_pb2.Command) -> None:
         """Answer a TracePull with the newest raw entries of the asked (rank, group)s."""

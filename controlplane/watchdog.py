@@ -83,7 +83,7 @@ from fleet.controlplane.diagnosis import Diagnosis, DiagnosisConfig, diagnose, r
 from fleet.controlplane.store import CollectiveRow, Store
 from fleet.controlplane.store.ingest import PreparedBatch
 from fleet.controlplane.wavefront import FrontVerdict, Wavefronts
-from fleet.proto import events_pb2
+from fleet.proto import events_pb2, fronts
 from fleet.proto.flight_record import P2P_SUFFIX
 from fleet.proto.kinds import IncidentKind
 
@@ -414,9 +414,8 @@ class Watchdog:
                     w.fronts.declare(g["group_name"], json.loads(g["ranks"]))
             oldest = None
             for block in batch.fronts:
-                if len(block.entered_ns):
-                    # the oldest of the rows' newest timestamps (enter, or completion once completed)
-                    stalest = min(map(max, block.entered_ns, block.completed_ns))
+                stalest = fronts.stalest_ns(block)
+                if stalest is not None:
                     oldest = stalest if oldest is None else min(oldest, stalest)
                     blocks.append(block)
             if oldest is not None:

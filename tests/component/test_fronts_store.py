@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
 from fleet.controlplane.metrics import ControllerMetrics
@@ -14,7 +15,7 @@ from fleet.controlplane.store import Store
 from fleet.controlplane.store.ingest import InvalidBatch, prepare
 from fleet.controlplane.store.writer import IngestWriter, Item
 from fleet.proto import agent_pb2, events_pb2
-from fleet.proto.fronts import FrontRow, pack
+from fleet.proto.fronts import PACKED_COLUMNS, FrontRow, newest, pack, unpack
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,7 +85,36 @@ def test_record_fronts_never_moves_a_front_back(store: Store) -> None:
     (lambda b: b.completed_seq.__setitem__(0, 99), "completed_seq above entered_seq"),
 ])
 def test_a_malformed_fronts_block_is_refused_naming_the_field(bad, field_name: str) -> None:
-    block = pack([row(0, 5, 5)])
+    block = pack([row(0, 5, 5)], packed=False)
     bad(block)
     with pytest.raises(InvalidBatch, match=field_name):
         prepare([events_pb2.Event(fronts=block)])
+
+
+def _repacked(block: events_pb2.CollectiveFronts, column: str, value: int) -> None:
+    m = np.frombuffer(block.packed, dtype="<i8").reshape(len(PACKED_COLUMNS), -1).copy()
+    m[PACKED_COLUMNS.index(column), 0] = value
+    block.packed = m.astype("<i8").tobytes()
+
+
+@pytest.mark.parametrize("bad, field_name", [
+    (lambda b: setattr(b, "packed", b.packed[:-3]), "fronts.packed: .* not a whole number"),
+    (lambda b: b.rank.append(1), "both packed and repeated"),
+    (lambda b: _repacked(b, "group", 7), "fronts.group: index 7 outside strings"),
+    (lambda b: _repacked(b, "op", -1), "fronts.op: index -1 outside strings"),
+    (lambda b: _repacked(b, "rank", -2), "fronts.rank: a value outside"),
+    (lambda b: _repacked(b, "completed_seq", 99), "completed_seq above entered_seq"),
+    (lambda b: _repacked(b, "entered_seq", -1), "a negative seq"),
+])
+def test_a_malformed_packed_block_is_refused_naming_the_field(bad, field_name: str) -> None:
+    block = pack([row(0, 5, 5), row(1, 6, 6)])
+    assert block.packed and not block.rank
+    bad(block)
+    with pytest.raises(InvalidBatch, match=field_name):
+        prepare([events_pb2.Event(fronts=block)])
+
+
+def test_packed_and_repeated_blocks_read_the_same() -> None:
+    rows = [row(0, 5, 5), row(1, 6, 5), row(2, 9, 9)._replace(group="tp", op="all_gather")]
+    assert unpack(pack(rows)) == unpack(pack(rows, packed=False)) == rows
+    assert newest([pack(rows[:2]), pack(rows[2:], packed=False)]) == rows

@@ -26,6 +26,7 @@ from fleet.controlplane.store import Store
 from fleet.controlplane.store.ingest import prepare
 from fleet.controlplane.watchdog import MIN_COLLECTIVE_GAPS_PER_RANK, VERDICT_STABLE_S, WARMUP_GAPS_PER_RANK, Watchdog
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto.fronts import unpack
 from tests.component.conftest import TOKEN, StoreJobControl
 
 pytestmark = pytest.mark.timeout(120)
@@ -80,9 +81,13 @@ class Feed:
         """``events`` of any ranks: split by node, one batch each."""
         by_node: dict[str, list[events_pb2.Event]] = {}
         for ev in events:
-            rank = getattr(ev, ev.WhichOneof("kind")).rank
-            if not isinstance(rank, int):  # a block of rows (fronts, columns): one rank here
-                rank = rank[0]
+            kind = ev.WhichOneof("kind")
+            if kind == "fronts":  # a block of rows: one rank's here
+                rank = unpack(ev.fronts)[0].rank
+            else:
+                rank = getattr(ev, kind).rank
+                if not isinstance(rank, int):  # a block of collectives: one rank's here
+                    rank = rank[0]
             by_node.setdefault(NODES[rank], []).append(ev)
         for node, evs in by_node.items():
             rows = prepare(evs)

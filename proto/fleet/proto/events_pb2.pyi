@@ -297,7 +297,7 @@ class SdcCheckEvent(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., node: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[str] = ..., value: _Optional[str] = ..., expected: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ..., time_ns: _Optional[int] = ...) -> None: ...
 
 class CollectiveFronts(_message.Message):
-    __slots__ = ("strings", "job_id", "attempt", "rank", "group", "group_size", "entered_seq", "completed_seq", "entered_ns", "completed_ns", "op", "signature", "step", "entered")
+    __slots__ = ("strings", "job_id", "attempt", "rank", "group", "group_size", "entered_seq", "completed_seq", "entered_ns", "completed_ns", "op", "signature", "step", "entered", "packed")
     STRINGS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +312,7 @@ class CollectiveFronts(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ENTERED_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     strings: _containers.RepeatedScalarFieldContainer[str]
     job_id: _containers.RepeatedScalarFieldContainer[int]
     attempt: _containers.RepeatedScalarFieldContainer[int]
@@ -326,7 +327,8 @@ class CollectiveFronts(_message.Message):
     signature: _containers.RepeatedScalarFieldContainer[int]
     step: _containers.RepeatedScalarFieldContainer[int]
     entered: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, strings: _Optional[_Iterable[str]] = ..., job_id: _Optional[_Iterable[int]] = ..., attempt: _Optional[_Iterable[int]] = ..., rank: _Optional[_Iterable[int]] = ..., group: _Optional[_Iterable[int]] = ..., group_size: _Optional[_Iterable[int]] = ..., entered_seq: _Optional[_Iterable[int]] = ..., completed_seq: _Optional[_Iterable[int]] = ..., entered_ns: _Optional[_Iterable[int]] = ..., completed_ns: _Optional[_Iterable[int]] = ..., op: _Optional[_Iterable[int]] = ..., signature: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., entered: _Optional[_Iterable[int]] = ...) -> None: ...
+    packed: bytes
+    def __init__(self, strings: _Optional[_Iterable[str]] = ..., job_id: _Optional[_Iterable[int]] = ..., attempt: _Optional[_Iterable[int]] = ..., rank: _Optional[_Iterable[int]] = ..., group: _Optional[_Iterable[int]] = ..., group_size: _Optional[_Iterable[int]] = ..., entered_seq: _Optional[_Iterable[int]] = ..., completed_seq: _Optional[_Iterable[int]] = ..., entered_ns: _Optional[_Iterable[int]] = ..., completed_ns: _Optional[_Iterable[int]] = ..., op: _Optional[_Iterable[int]] = ..., signature: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., entered: _Optional[_Iterable[int]] = ..., packed: _Optional[bytes] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("collective", "step", "status", "checkpoint", "group", "collectives", "sdc", "fronts")

@@ -9,11 +9,11 @@ signature of the op entered), and keep the raw entries in a ring for a ``TracePu
 group that entered different ops (or sizes, or dtypes) have different signatures.
 
 ``FrontRow`` is one row; ``pack`` and ``unpack`` convert rows to and from a block.
-``FrontColumns`` is many blocks read at once into numpy columns (``merge``): the
-controller's writer and watchdog work on those, column-wise. Converting a message's
-repeated field to an array costs microseconds however short it is, so blocks are merged
-first (a list ``extend`` per column, at C speed) and converted once. ``newest`` folds
-blocks into one row per key.
+A block's columns travel in ``packed`` (int64 little-endian, ``PACKED_COLUMNS`` order):
+the controller reads a block with ``numpy.frombuffer``, not a Python step per value (the
+repeated fields are still read, slowly, for senders that use them). ``FrontColumns`` is
+many blocks as numpy columns (``merge``): the controller's writer and watchdog work on
+those; ``newest`` folds blocks into one row per key.
 """
 
 from __future__ import annotations
@@ -62,8 +62,21 @@ def signature(op: str, input_sizes: str, input_dtypes: str, output_sizes: str, o
     return zlib.crc32(f"{op}|{input_sizes}|{input_dtypes}|{output_sizes}|{output_dtypes}".encode())
 
 
-def pack(rows: Iterable[FrontRow]) -> events_pb2.CollectiveFronts:
-    """One block holding ``rows``."""
+#: Column order of ``CollectiveFronts.packed``: what stays the same for a (rank, group)
+#: first, so a sender can keep those bytes and append the rest.
+PACKED_COLUMNS = ("job_id", "rank", "group", "group_size", "attempt", "entered_seq", "completed_seq",
+                  "entered_ns", "completed_ns", "op", "signature", "step", "entered")
+_FROM_PACKED = np.asarray([PACKED_COLUMNS.index(c) for c in COLUMNS])
+_PACKED_DTYPE = np.dtype("<i8")
+
+
+class BadBlock(ValueError):
+    """A block whose columns cannot be read (the message names the field)."""
+
+
+def pack(rows: Iterable[FrontRow], *, packed: bool = True) -> events_pb2.CollectiveFronts:
+    """One block holding ``rows``: its columns in ``packed`` (what agents send), or in the
+    repeated fields with ``packed=False``."""
     strings: dict[str, int] = {}
     block = events_pb2.CollectiveFronts()
     cols: dict[str, list] = {c: [] for c in COLUMNS}
@@ -76,19 +89,54 @@ def pack(rows: Iterable[FrontRow]) -> events_pb2.CollectiveFronts:
                 value = i
             cols[name].append(value)
     block.strings.extend(strings)
-    for name, values in cols.items():
-        getattr(block, name).extend(values)
+    if packed:
+        block.packed = np.asarray([cols[c] for c in PACKED_COLUMNS], dtype=_PACKED_DTYPE).tobytes()
+    else:
+        for name, values in cols.items():
+            getattr(block, name).extend(values)
     return block
 
 
-def unpack(block: events_pb2.CollectiveFronts) -> list[FrontRow]:
-    """The rows of ``block`` (no validation: the controller's ingest validates)."""
-    strings = list(block.strings)
-    columns = []
+def rows_in(block: events_pb2.CollectiveFronts) -> int:
+    """How many rows ``block`` holds (of ``packed``, or of its repeated columns)."""
+    if block.packed:
+        return len(block.packed) // (_PACKED_DTYPE.itemsize * len(PACKED_COLUMNS))
+    return len(block.job_id)
+
+
+def matrix(block: events_pb2.CollectiveFronts) -> np.ndarray:
+    """``block``'s columns as an int64 array of shape (len(COLUMNS), rows), ``COLUMNS``
+    order; ``BadBlock`` when they cannot be read (unequal lengths, both forms, a packed
+    length that is not whole rows). A packed block costs no step per value."""
+    if block.packed:
+        width = _PACKED_DTYPE.itemsize * len(PACKED_COLUMNS)
+        if len(block.packed) % width:
+            raise BadBlock(f"fronts.packed: {len(block.packed)} bytes is not a whole number of "
+                           f"{len(PACKED_COLUMNS)}-column int64 rows")
+        if any(len(getattr(block, name)) for name in COLUMNS):
+            raise BadBlock("fronts: both packed and repeated columns")
+        return np.frombuffer(block.packed, dtype=_PACKED_DTYPE).reshape(len(PACKED_COLUMNS), -1)[_FROM_PACKED]
+    n = len(block.job_id)
     for name in COLUMNS:
-        values = getattr(block, name)
-        columns.append([strings[i] for i in values] if name in STRING_COLUMNS else list(values))
-    return [FrontRow(*values) for values in zip(*columns)]
+        if len(getattr(block, name)) != n:
+            raise BadBlock(f"fronts.{name} has {len(getattr(block, name))} values, fronts.job_id has {n}")
+    return np.array([list(getattr(block, name)) for name in COLUMNS], dtype=np.int64).reshape(len(COLUMNS), n)
+
+
+_ENTERED_NS, _COMPLETED_NS = COLUMNS.index("entered_ns"), COLUMNS.index("completed_ns")
+
+
+def stalest_ns(block: events_pb2.CollectiveFronts) -> int | None:
+    """The oldest of the rows' newest times (enter, or completion once completed): how
+    stale the block's news is. None for an empty block."""
+    m = matrix(block)
+    return int(np.maximum(m[_ENTERED_NS], m[_COMPLETED_NS]).min()) if m.shape[1] else None
+
+
+def unpack(block: events_pb2.CollectiveFronts) -> list[FrontRow]:
+    """The rows of ``block`` (the controller's ingest validates; this does not)."""
+    m = matrix(block)
+    return FrontColumns(list(block.strings), dict(zip(COLUMNS, m))).rows()
 
 
 class FrontColumns(NamedTuple):
@@ -110,25 +158,24 @@ class FrontColumns(NamedTuple):
 
 
 def merge(blocks: Iterable[events_pb2.CollectiveFronts]) -> FrontColumns:
-    """The rows of ``blocks`` (validated: columns of equal length) as one ``FrontColumns``,
-    in order, string indexes resolved to one table."""
-    values: dict[str, list[int]] = {c: [] for c in COLUMNS}
+    """The rows of ``blocks`` (validated) as one ``FrontColumns``, in order, string
+    indexes resolved to one table."""
     texts: list[str] = []
     offsets: list[int] = []
-    lengths: list[int] = []
+    parts: list[np.ndarray] = []
     for block in blocks:
+        m = matrix(block)
         offsets.append(len(texts))
-        lengths.append(len(block.job_id))
+        parts.append(m)
         texts.extend(block.strings)
-        for name, column in values.items():
-            column.extend(getattr(block, name))
     strings: dict[str, int] = {}
     ids = np.fromiter((strings.setdefault(t, len(strings)) for t in texts), dtype=np.int64, count=len(texts))
-    base = np.repeat(np.asarray(offsets, dtype=np.int64), lengths)
-    cols = {}
-    for name, column in values.items():
-        array = np.array(column, dtype=np.int64)
-        cols[name] = ids[base + array] if name in STRING_COLUMNS and len(array) else array
+    m = np.concatenate(parts, axis=1) if parts else np.zeros((len(COLUMNS), 0), dtype=np.int64)
+    cols = dict(zip(COLUMNS, m))
+    if m.shape[1]:
+        base = np.repeat(np.asarray(offsets, dtype=np.int64), [p.shape[1] for p in parts])
+        for name in STRING_COLUMNS:
+            cols[name] = ids[base + cols[name]]
     return FrontColumns(list(strings), cols)
 
 
