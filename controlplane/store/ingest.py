@@ -217,30 +217,30 @@ def _check_fronts(block: events_pb2.CollectiveFronts) -> None:
     """Validate a fronts block (its columns readable, string indexes and lengths, seq
     order), column-wise: a large job sends thousands a second."""
     try:
-        m = fronts.matrix(block)
+        col = fronts.columns(block)
     except fronts.BadBlock as exc:
         raise InvalidBatch(str(exc)) from None
-    if not m.shape[1]:
+    if not len(col["job_id"]):
         return
-    col = dict(zip(fronts.COLUMNS, m))
+    lo = {name: int(values.min()) for name, values in col.items()}
+    hi = {name: int(values.max()) for name, values in col.items()}
     strings = block.strings
     for name, limit in (("job_id", JOB_ID_LEN), ("group", NAME_LEN), ("op", OP_LEN)):
-        used = np.unique(col[name]).tolist()
-        if used[0] < 0 or used[-1] >= len(strings):
-            bad = used[0] if used[0] < 0 else used[-1]
+        if lo[name] < 0 or hi[name] >= len(strings):
+            bad = lo[name] if lo[name] < 0 else hi[name]
             raise InvalidBatch(f"fronts.{name}: index {bad} outside strings ({len(strings)} entries)")
+        used = [lo[name]] if lo[name] == hi[name] else np.unique(col[name]).tolist()
         longest = max((strings[i] for i in used), key=len)
         if len(longest) > limit:
             raise InvalidBatch(f"fronts.{name}: {longest[:80]!r} is longer than {limit} characters")
         if name == "job_id" and "" in {strings[i] for i in used}:
             raise InvalidBatch("fronts.job_id: empty string")
     for name in ("attempt", "rank", "group_size", "signature"):
-        if col[name].min() < 0 or col[name].max() >= 1 << 32:
+        if lo[name] < 0 or hi[name] >= 1 << 32:
             raise InvalidBatch(f"fronts.{name}: a value outside 0..2**32-1")
-    entered, completed = col["entered_seq"], col["completed_seq"]
-    if entered.min() < 0 or completed.min() < 0:
+    if lo["entered_seq"] < 0 or lo["completed_seq"] < 0:
         raise InvalidBatch("fronts: a negative seq")
-    if (completed > entered).any():
+    if (col["completed_seq"] > col["entered_seq"]).any():
         raise InvalidBatch("fronts: completed_seq above entered_seq")
 
 
@@ -385,7 +385,7 @@ def _step_row(ev: events_pb2.StepEvent) -> tuple:
         # as +inf, still not finite for every reader; the watchdog saw the NaN itself
         ev.loss if not math.isnan(ev.loss) else math.inf,
         ev.step_time_s, ev.tokens_per_s, ev.end_ns, ev.grad_norm, ev.lr, ev.mfu, ev.aux_loss,
-        any(x.imbalanced for x in loads),
+        bool(loads) and any(x.imbalanced for x in loads),
         _dumps([{"layer": x.layer, "tokens_per_expert": list(x.tokens_per_expert),
                  "min_share": x.min_share, "max_share": x.max_share, "imbalanced": x.imbalanced}
                 for x in loads]) if loads else "[]",

@@ -66,7 +66,6 @@ def signature(op: str, input_sizes: str, input_dtypes: str, output_sizes: str, o
 #: first, so a sender can keep those bytes and append the rest.
 PACKED_COLUMNS = ("job_id", "rank", "group", "group_size", "attempt", "entered_seq", "completed_seq",
                   "entered_ns", "completed_ns", "op", "signature", "step", "entered")
-_FROM_PACKED = np.asarray([PACKED_COLUMNS.index(c) for c in COLUMNS])
 _PACKED_DTYPE = np.dtype("<i8")
 
 
@@ -104,39 +103,36 @@ def rows_in(block: events_pb2.CollectiveFronts) -> int:
     return len(block.job_id)
 
 
-def matrix(block: events_pb2.CollectiveFronts) -> np.ndarray:
-    """``block``'s columns as an int64 array of shape (len(COLUMNS), rows), ``COLUMNS``
-    order; ``BadBlock`` when they cannot be read (unequal lengths, both forms, a packed
-    length that is not whole rows). A packed block costs no step per value."""
+def columns(block: events_pb2.CollectiveFronts) -> dict[str, np.ndarray]:
+    """``block``'s columns as int64 arrays by ``COLUMNS`` name; ``BadBlock`` when they
+    cannot be read (unequal lengths, both forms, a packed length that is not whole rows).
+    A packed block costs no step per value: the arrays are views of its bytes."""
     if block.packed:
         width = _PACKED_DTYPE.itemsize * len(PACKED_COLUMNS)
         if len(block.packed) % width:
             raise BadBlock(f"fronts.packed: {len(block.packed)} bytes is not a whole number of "
                            f"{len(PACKED_COLUMNS)}-column int64 rows")
-        if any(len(getattr(block, name)) for name in COLUMNS):
+        if len(block.ListFields()) > 1 + bool(block.strings):  # a repeated column is set too
             raise BadBlock("fronts: both packed and repeated columns")
-        return np.frombuffer(block.packed, dtype=_PACKED_DTYPE).reshape(len(PACKED_COLUMNS), -1)[_FROM_PACKED]
+        m = np.frombuffer(block.packed, dtype=_PACKED_DTYPE).reshape(len(PACKED_COLUMNS), -1)
+        return dict(zip(PACKED_COLUMNS, m))
     n = len(block.job_id)
     for name in COLUMNS:
         if len(getattr(block, name)) != n:
             raise BadBlock(f"fronts.{name} has {len(getattr(block, name))} values, fronts.job_id has {n}")
-    return np.array([list(getattr(block, name)) for name in COLUMNS], dtype=np.int64).reshape(len(COLUMNS), n)
-
-
-_ENTERED_NS, _COMPLETED_NS = COLUMNS.index("entered_ns"), COLUMNS.index("completed_ns")
+    return {name: np.array(getattr(block, name), dtype=np.int64) for name in COLUMNS}
 
 
 def stalest_ns(block: events_pb2.CollectiveFronts) -> int | None:
     """The oldest of the rows' newest times (enter, or completion once completed): how
     stale the block's news is. None for an empty block."""
-    m = matrix(block)
-    return int(np.maximum(m[_ENTERED_NS], m[_COMPLETED_NS]).min()) if m.shape[1] else None
+    c = columns(block)
+    return int(np.maximum(c["entered_ns"], c["completed_ns"]).min()) if len(c["job_id"]) else None
 
 
 def unpack(block: events_pb2.CollectiveFronts) -> list[FrontRow]:
     """The rows of ``block`` (the controller's ingest validates; this does not)."""
-    m = matrix(block)
-    return FrontColumns(list(block.strings), dict(zip(COLUMNS, m))).rows()
+    return FrontColumns(list(block.strings), columns(block)).rows()
 
 
 class FrontColumns(NamedTuple):
@@ -162,18 +158,18 @@ def merge(blocks: Iterable[events_pb2.CollectiveFronts]) -> FrontColumns:
     indexes resolved to one table."""
     texts: list[str] = []
     offsets: list[int] = []
-    parts: list[np.ndarray] = []
+    parts: list[dict[str, np.ndarray]] = []
     for block in blocks:
-        m = matrix(block)
         offsets.append(len(texts))
-        parts.append(m)
+        parts.append(columns(block))
         texts.extend(block.strings)
     strings: dict[str, int] = {}
     ids = np.fromiter((strings.setdefault(t, len(strings)) for t in texts), dtype=np.int64, count=len(texts))
-    m = np.concatenate(parts, axis=1) if parts else np.zeros((len(COLUMNS), 0), dtype=np.int64)
-    cols = dict(zip(COLUMNS, m))
-    if m.shape[1]:
-        base = np.repeat(np.asarray(offsets, dtype=np.int64), [p.shape[1] for p in parts])
+    if not parts:
+        return FrontColumns([], {name: np.zeros(0, dtype=np.int64) for name in COLUMNS})
+    cols = {name: np.concatenate([p[name] for p in parts]) for name in COLUMNS}
+    if len(cols["job_id"]):
+        base = np.repeat(np.asarray(offsets, dtype=np.int64), [len(p["job_id"]) for p in parts])
         for name in STRING_COLUMNS:
             cols[name] = ids[base + cols[name]]
     return FrontColumns(list(strings), cols)
