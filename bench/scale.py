@@ -138,7 +138,7 @@ class Run:
             self.agents.append(Child(["bench.scale_agents", "--address", self.address, "--token", TOKEN,
                                       "--ranks", str(ranks), "--first", str(first), "--count", str(count),
                                       "--per-step", str(args.per_step), "--step-s", str(args.step_s),
-                                      "--batch-interval-s", str(args.batch_interval_s),
+                                      "--batch-interval-s", str(batch_interval_s(args, ranks)),
                                       *(["--no-pull"] if args.no_pull else [])],
                                      folder / f"agents-{ranks}-{i}.log"))
             first += count
@@ -320,6 +320,16 @@ class Run:
         self.store.close()
 
 
+def batch_interval_s(args: argparse.Namespace, ranks: int) -> float:
+    """``--batch-interval-s``, else what a real agent of an R-rank job uses under the
+    default cluster.yaml (a large job batches less often)."""
+    if args.batch_interval_s is not None:
+        return args.batch_interval_s
+    from fleet.controlplane.config import AgentConfig
+
+    return AgentConfig().batch_interval_for(ranks)
+
+
 def _cpu_of(pids: set[int]) -> dict[int, float]:
     """CPU seconds so far of each live process of ``pids``."""
     out = {}
@@ -453,6 +463,10 @@ def run_one(args: argparse.Namespace, ranks: int, url: str, folder: Path, rng: r
     return out
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="256,1024,4096,16384", help="comma-separated rank counts")
@@ -463,7 +477,9 @@ def main() -> int:
     parser.add_argument("--agent-procs", type=int, default=4)
     parser.add_argument("--per-step", type=int, default=100, help="collectives per step per rank")
     parser.add_argument("--step-s", type=float, default=1.0)
-    parser.add_argument("--batch-interval-s", type=float, default=0.5)
+    parser.add_argument("--batch-interval-s", type=float, default=None,
+                        help="how often each agent sends a batch (default: what a real agent of a job "
+                        "of R ranks uses under the default cluster.yaml)")
     parser.add_argument("--hang-factor", type=float, default=None, help="DetectConfig.hang_factor (default its own)")
     parser.add_argument("--warmup-s", type=float, default=6.0)
     parser.add_argument("--trial-warmup-s", type=float, default=5.0)
@@ -493,6 +509,8 @@ def main() -> int:
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     rng = random.Random(args.seed)
+    # SIGTERM as Ctrl-C: the finally blocks below stop the controller, agents and server
+    signal.signal(signal.SIGTERM, _interrupted)
     folder = Path(tempfile.mkdtemp(prefix="fleet-bench-scale-"))
     _say(f"bench/scale.py: ranks {args.ranks}, {args.per_step} collectives per {args.step_s} s step, "
          f"store {args.store}; logs in {folder}")

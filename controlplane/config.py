@@ -237,7 +237,8 @@ class AgentConfig(create_model(
     The batching and buffering fields are ``fleet.agent.settings.AgentSettings``'s (the
     agent owns them; ``ClusterConfig.agent_settings()`` is the object agents are started
     with), the two reporting intervals ``fleet.workers.spec.WorkerSpec``'s.
-    ``raw_ingest_max_ranks`` is the controller's: it decides ``AgentSettings.collective_fronts``;
+    ``raw_ingest_max_ranks`` is the controller's: it decides ``AgentSettings.collective_fronts``
+    (and ``large_job_batch_interval_s`` then applies);
     ``host`` is the launcher's (``orchestrator.AgentSet`` binds each agent's worker channel there)."""
 
     raw_ingest_max_ranks: int = Field(
@@ -245,6 +246,12 @@ class AgentConfig(create_model(
         description="A job with more ranks than this (job.nodes x job.ranks_per_node) sends collective fronts "
         "instead of every collective: agents keep the raw entries (agent.ring_entries per rank and group) and "
         "send them when the controller suspects a hang or desync, so `fleet replay` shows those around it.",
+    )
+    large_job_batch_interval_s: float = Field(
+        1.0, gt=0, le=60,
+        description="agent.batch_interval_s of a job that sends collective fronts (more ranks than "
+        "agent.raw_ingest_max_ranks), when larger: fewer, fuller batches, so the controller's work per "
+        "message does not grow with the number of agents.",
     )
     host: str = Field(
         "127.0.0.1",
@@ -256,6 +263,16 @@ class AgentConfig(create_model(
     @classmethod
     def _bind_host(cls, value: str) -> str:
         return check_host(value)
+
+    def sends_fronts(self, world_size: int) -> bool:
+        """Whether a job of ``world_size`` ranks sends collective fronts (a large job)."""
+        return world_size > self.raw_ingest_max_ranks
+
+    def batch_interval_for(self, world_size: int) -> float:
+        """The agents' batch interval for a job of ``world_size`` ranks."""
+        if self.sends_fronts(world_size):
+            return max(self.batch_interval_s, self.large_job_batch_interval_s)
+        return self.batch_interval_s
 
     @model_validator(mode="after")
     def _batch_fits_memory(self) -> AgentConfig:
@@ -700,15 +717,17 @@ class ClusterConfig(_Section):
         """The one object every node agent is started with: the ``agent`` section, its spill
         folder resolved, the controller's heartbeat interval and message limit, the
         known-answer GEMM test's size and interval (``sdc``), and ``collective_fronts`` for a
-        job of more than ``agent.raw_ingest_max_ranks`` ranks."""
-        c = self.controller
+        job of more than ``agent.raw_ingest_max_ranks`` ranks (whose batch interval is then
+        at least ``agent.large_job_batch_interval_s``)."""
+        c, a = self.controller, self.agent
         return AgentSettings(**{
-            **self.agent.model_dump(include=set(AGENT_SECTION_FIELDS)),
+            **a.model_dump(include=set(AGENT_SECTION_FIELDS)),
             **self.sdc.model_dump(include=set(GEMM_FIELDS)),
             "spill_dir": str(self.agent_spill_dir()),
             "heartbeat_interval_s": c.heartbeat_interval_s,
             "max_message_bytes": c.max_message_bytes,
-            "collective_fronts": self.job.world_size > self.agent.raw_ingest_max_ranks,
+            "collective_fronts": a.sends_fronts(self.job.world_size),
+            "batch_interval_s": a.batch_interval_for(self.job.world_size),
         })
 
 

@@ -108,11 +108,12 @@ def test_crash_restarts_and_replays_bit_for_bit(tmp_path: Path, reference: dict[
 def test_hang_is_detected_long_before_the_pg_timeout(tmp_path: Path, reference: dict[int, float]) -> None:
     # telemetry every 0.2 s instead of 0.5 s: the detector's lag allowance shrinks with it.
     # raw_ingest_max_ranks 2: this 4-rank job runs as a large one does, sending collective
-    # fronts; the controller pulls the raw entries of the suspect's groups from the agents
+    # fronts (batched as often as a small job's); the controller pulls the raw entries of the
+    # suspect's groups from the agents
     summary, report = run_job(tmp_path, chaos_cluster(
         tmp_path, [{"kind": "hang", "rank": 1, "at_step": 15}],
         agent={"report_interval_s": 0.2, "fr_poll_interval_s": 0.2, "batch_interval_s": 0.1,
-               "raw_ingest_max_ranks": 2}))
+               "raw_ingest_max_ranks": 2, "large_job_batch_interval_s": 0.1}))
     check_job(tmp_path, summary, report, reference, [("hang", 1, "node-0")], attempts=2)
     (incident,) = report["incidents"]
     with store_of(tmp_path) as st:

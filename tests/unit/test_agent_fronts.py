@@ -236,6 +236,12 @@ def test_a_job_larger_than_raw_ingest_max_ranks_gets_collective_fronts() -> None
     large = agent_settings("agent: {raw_ingest_max_ranks: 3, ring_entries: 16}\njob: {nodes: 2, ranks_per_node: 2}")
     assert (large.collective_fronts, large.ring_entries) == (True, 16)
     assert agent_settings("{}").ring_entries == 1024
+    # a large job batches less often (agent.large_job_batch_interval_s), unless told to batch rarer still
+    assert (small.batch_interval_s, large.batch_interval_s) == (0.2, 1.0)
+    assert agent_settings("agent: {raw_ingest_max_ranks: 3, batch_interval_s: 2.5}\n"
+                          "job: {nodes: 2, ranks_per_node: 2}").batch_interval_s == 2.5
+    assert agent_settings("agent: {raw_ingest_max_ranks: 3, large_job_batch_interval_s: 0.1}\n"
+                          "job: {nodes: 2, ranks_per_node: 2}").batch_interval_s == 0.2
 
 
 _front_rows = st.lists(st.tuples(st.sampled_from(["j1", "j2"]), st.integers(1, 2), st.integers(0, 3),

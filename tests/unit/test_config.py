@@ -540,7 +540,7 @@ def test_agents_get_one_settings_object_defined_by_the_agent() -> None:
     from fleet.controlplane.config import WORKER_REPORTING_FIELDS, AgentConfig, ControllerConfig, JobConfig, SdcConfig
     from fleet.workers.spec import WorkerSpec, documented_fields
 
-    assert tuple(AgentConfig.model_fields) == AGENT_SECTION_FIELDS + WORKER_REPORTING_FIELDS + ("raw_ingest_max_ranks", "host")
+    assert tuple(AgentConfig.model_fields) == AGENT_SECTION_FIELDS + WORKER_REPORTING_FIELDS + ("raw_ingest_max_ranks", "large_job_batch_interval_s", "host")
     worker = documented_fields(WorkerSpec)
     for section, key, name in [(AgentConfig, "report_interval_s", "report_interval_s"),
                                (AgentConfig, "fr_poll_interval_s", "fr_poll_interval_s"),
