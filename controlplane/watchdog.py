@@ -410,7 +410,7 @@ class Watchdog:
             for g in batch.groups.values():
                 if g["job_id"] == job and g["attempt"] == number and not (w.fronts and w.fronts.declared(g["group_name"])):
                     if w.fronts is None:
-                        w.fronts = Wavefronts(job, number)
+                        w.fronts = Wavefronts(job, number, nodes=w.nodes)
                     w.fronts.declare(g["group_name"], json.loads(g["ranks"]))
             oldest = None
             for block in batch.fronts:
@@ -422,7 +422,7 @@ class Watchdog:
                 w.lags.append(max(0.0, (arrival_ns - oldest) / 1e9))
         if blocks:
             if w.fronts is None:
-                w.fronts = Wavefronts(job, number)
+                w.fronts = Wavefronts(job, number, nodes=w.nodes)
             if w.fronts.apply(blocks):
                 w.coll_progress_ns = max(w.coll_progress_ns, w.fronts.newest_ns())
 

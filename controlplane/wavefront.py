@@ -20,7 +20,8 @@ The verdict follows the flight recorder's wait-for rule (``controlplane.diagnosi
     with different signatures; the ranks whose signature is not the majority's are named.
 Groups of point-to-point ops (``:p2p``) are left out: their sequence numbers count per
 pair, not per group. Members declared by ``ProcessGroupInfo`` that sent no front yet
-stand at sequence 0 (behind). Invariant: a front never moves back (the row with the
+stand at sequence 0 (behind); given the ranks' nodes, such a member is blamed only once
+its node's agent sent some front of the attempt (before, its silence may be delivery lag). Invariant: a front never moves back (the row with the
 higher entered, then completed, sequence number wins), so blocks sent again or out of
 order change nothing.
 """
@@ -58,11 +59,18 @@ class FrontVerdict:
 class Wavefronts:
     """The fronts of one attempt of one job (not thread-safe: one owner thread)."""
 
-    _COLUMNS = ("rank", "group", "entered", "completed", "entered_ns", "completed_ns", "sig", "step", "op")
+    _COLUMNS = ("rank", "group", "entered", "completed", "entered_ns", "completed_ns", "sig", "step", "op", "heard")
 
-    def __init__(self, job_id: str, attempt: int, capacity: int = 1024) -> None:
+    def __init__(self, job_id: str, attempt: int, capacity: int = 1024,
+                 nodes: Sequence[str] | None = None) -> None:
+        """``nodes[r]``: rank r's node, when known: a member no front was heard of is then
+        blamed only once its node's agent sent fronts of the attempt (else its silence may
+        be the agent's delivery lag, not the rank's)."""
         self.job_id = job_id
         self.attempt = attempt
+        index: dict[str, int] = {}
+        self._node_of = (None if nodes is None else
+                         np.asarray([index.setdefault(n, len(index)) for n in nodes], dtype=np.int64))
         self._slots: dict[int, int] = {}   # _key(rank, group index) -> slot
         # the same, as sorted arrays for a vectorised lookup; rebuilt after slots are added
         self._index_keys = np.zeros(0, dtype=np.int64)
@@ -175,6 +183,7 @@ class Wavefronts:
         s = slot[newer]
         cols["entered"][s] = e[newer]
         cols["completed"][s] = c[newer]
+        cols["heard"][slot] = 1
         for col, name in (("entered_ns", "entered_ns"), ("completed_ns", "completed_ns"),
                           ("sig", "signature"), ("step", "step"), ("op", "op")):
             cols[col][s] = v[name][keep][newer]
@@ -239,6 +248,13 @@ class Wavefronts:
         rank_waits = np.zeros(int(ranks.max()) + 1, dtype=bool)
         rank_waits[ranks[waiter]] = True
         blamed = behind & blocked[gi] & ~rank_waits[ranks]
+        if self._node_of is not None and blamed.any():
+            # never heard of, on a node whose agent sent nothing of the attempt yet: lag, not a culprit
+            known = ranks < len(self._node_of)
+            node = np.where(known, self._node_of[np.minimum(ranks, len(self._node_of) - 1)], -1)
+            node_heard = np.zeros(len(self._node_of) + 1, dtype=bool)
+            node_heard[node[(cols["heard"] == 1) & known]] = True
+            blamed &= (cols["heard"] == 1) | ~known | node_heard[node]
         n_waiting = len(np.unique(ranks[waiting]))
 
         mismatch = self._mismatches(gi, ranks, cols["sig"], waiting & at_top & ~blocked[gi])

@@ -99,3 +99,20 @@ def test_any_split_and_order_of_blocks_gives_the_furthest_front(spec, cut, rnd) 
         key = (r.rank, r.group)
         want[key] = max(want.get(key, (-1, -1)), (r.entered_seq, r.completed_seq))
     assert {(r.rank, r.group): (r.entered_seq, r.completed_seq) for r in w.rows()} == want
+
+
+def test_a_silent_member_is_blamed_only_once_its_nodes_agent_reports() -> None:
+    """Declared members no front was heard of: lag while their node's agent sent nothing of
+    the attempt (a new attempt under a backlog), the culprit once it did."""
+    nodes = ["a", "a", "b", "b"]
+    w = Wavefronts("j", 1, nodes=nodes)
+    w.declare("g", [0, 1, 2, 3])
+    w.apply([pack([row(0, "g", 5, 4), row(1, "g", 5, 4)])])
+    assert w.verdict(NOW, settle_s=3.0) is None          # node b: nothing heard yet
+    w.apply([pack([row(3, "g", 5, 4)])])                # b's agent reports: rank 2 is silent
+    v = w.verdict(NOW, settle_s=3.0)
+    assert (v.verdict, v.culprits) == ("hang", [2])
+    unguarded = Wavefronts("j", 1)                       # without the node map: the old rule
+    unguarded.declare("g", [0, 1, 2, 3])
+    unguarded.apply([pack([row(0, "g", 5, 4), row(1, "g", 5, 4)])])
+    assert unguarded.verdict(NOW, settle_s=3.0).culprits == [2, 3]
