@@ -56,6 +56,15 @@ class FrontVerdict:
     members: dict[str, list[int]] = field(default_factory=dict)  # group -> its members
 
 
+def _intern(index: dict[str, int], names: list[str], name: str) -> int:
+    """``name``'s number in ``index`` (appended to ``names`` when new)."""
+    ix = index.get(name)
+    if ix is None:
+        ix = index[name] = len(names)
+        names.append(name)
+    return ix
+
+
 class Wavefronts:
     """The fronts of one attempt of one job (not thread-safe: one owner thread)."""
 
@@ -95,11 +104,7 @@ class Wavefronts:
         return (gix << 32) | rank
 
     def _group(self, name: str) -> int:
-        gix = self._groups.get(name)
-        if gix is None:
-            gix = self._groups[name] = len(self._group_names)
-            self._group_names.append(name)
-        return gix
+        return _intern(self._groups, self._group_names, name)
 
     def _slot(self, rank: int, group: str, size: int) -> int:
         gix = self._group(group)
@@ -192,11 +197,7 @@ class Wavefronts:
         return len(v["slot"])
 
     def _op(self, name: str) -> int:
-        ix = self._ops.get(name)
-        if ix is None:
-            ix = self._ops[name] = len(self._op_names)
-            self._op_names.append(name)
-        return ix
+        return _intern(self._ops, self._op_names, name)
 
     # -- output -----------------------------------------------------------------------------
 
