@@ -147,6 +147,16 @@ def test_positional_folder_or_job_id(tmp_path, capsys, monkeypatch):
         assert code == 2 and message in one_line(out + err)
 
 
+def test_a_job_with_no_attempt_yet_replays_as_empty(tmp_path, capsys):
+    from fleet.controlplane.store import Store
+
+    url = f"sqlite:///{tmp_path}/fleet.db"
+    job = Store(url).create_job("queued", 10, "{}")
+    code, out, _ = run(capsys, "replay", job, "--store", url, "--json")
+    report = json.loads(out)
+    assert code == 0 and (report["source"], report["verdict"], report["attempts"]) == (f"store:{job}", "empty", [])
+
+
 # -- --group -------------------------------------------------------------------------------
 
 
