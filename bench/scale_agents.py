@@ -114,7 +114,8 @@ def _fronts_event(block: bytes) -> bytes:
 
 _STRINGS_TAG = length_delimited_tag(events_pb2.CollectiveFronts.DESCRIPTOR.fields_by_name["strings"])
 _PACKED_TAG = length_delimited_tag(events_pb2.CollectiveFronts.DESCRIPTOR.fields_by_name["packed"])
-_STATIC = PACKED_COLUMNS[:4]  # job_id, rank, group, group_size: fixed per (rank, group)
+# Node._static keeps PACKED_COLUMNS[:4] (job_id, rank, group, group_size: fixed per (rank,
+# group)); the rest are a tick's values, in this order:
 assert PACKED_COLUMNS[4:] == ("attempt", "entered_seq", "completed_seq", "entered_ns", "completed_ns", "op",
                               "signature", "step", "entered")
 

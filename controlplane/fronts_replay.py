@@ -112,7 +112,7 @@ def focus_groups(store: Store, job_id: str, attempt: int, diag: dict[str, Any], 
     ranks') groups, then those the diagnosis's findings name."""
     blamed = list(diag["culprit_ranks"]) or incident_ranks
     names: list[str] = []
-    for g in [g.group for g in store.declared_groups(job_id, attempt, ranks=blamed)] + \
+    for g in [g.group for g in store.process_groups(job_id, attempt, ranks=blamed)] + \
              [f["group"].removesuffix(":p2p") for f in diag["findings"]] + diag.get("front_groups", []):
         if g and g not in names:
             names.append(g)
@@ -128,7 +128,7 @@ def fronts_attempt(store: Store, job_id: str, attempt: Any, incidents: list[dict
     focus = focus_groups(store, job_id, n, diag, incident_ranks)
     fronts = store.fronts(job_id, n, groups=focus) if focus else []
     members = store.group_members(job_id, n, focus) if focus else {}
-    descs = {g.group: g.desc for g in store.declared_groups(job_id, n, ranks=diag["culprit_ranks"] or incident_ranks)}
+    descs = {g.group: g.desc for g in store.process_groups(job_id, n, ranks=diag["culprit_ranks"] or incident_ranks)}
     around = [standing(g, descs.get(g, ""), members.get(g, ()), fronts) for g in focus]
     named = {r for s in around for r in s["outliers"] + s["missing"][:8]} | set(diag["culprit_ranks"])
     named |= set(incident_ranks)

@@ -74,7 +74,6 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-
 from fleet.controlplane import detectors
 from fleet.controlplane.config import ControllerConfig, DetectConfig
 from fleet.controlplane.detectors import Incident

@@ -36,11 +36,7 @@ import numpy as np
 
 from fleet.proto import events_pb2
 from fleet.proto.flight_record import P2P_SUFFIX
-from fleet.proto.fronts import FrontColumns, FrontRow, merge
-
-#: The columns ``Wavefronts.apply`` gathers from blocks: slots and op indexes, then the
-#: blocks' own columns.
-_APPLIED = ("slot", "op", "entered_seq", "completed_seq", "entered_ns", "completed_ns", "signature", "step")
+from fleet.proto.fronts import FrontRow, merge
 
 
 @dataclass(frozen=True)
@@ -149,38 +145,39 @@ class Wavefronts:
     def declared(self, group: str) -> bool:
         return group in self._declared
 
-    def apply(self, blocks: Iterable[events_pb2.CollectiveFronts] | FrontColumns) -> int:
+    def apply(self, blocks: Iterable[events_pb2.CollectiveFronts]) -> int:
         """Fold blocks in (their rows of this job and attempt), in one vectorised update;
         returns the rows taken. A row costs no Python step unless its (rank, group) is new."""
-        self._reindex()
-        merged = blocks if isinstance(blocks, FrontColumns) else merge(blocks)
+        self._reindex()  # slots added since the last call (here or by ``declare``)
+        merged = merge(blocks)
         strings = merged.strings
         if self.job_id not in strings:
             return 0
         job = strings.index(self.job_id)
-        c = merged.cols
-        take = (c["job_id"] == job) & (c["attempt"] == self.attempt)
+        v = merged.cols
+        take = (v["job_id"] == job) & (v["attempt"] == self.attempt)
         if not take.all():
-            c = {name: values[take] for name, values in c.items()}
-        if not len(c["rank"]):
+            v = {name: values[take] for name, values in v.items()}
+        if not len(v["rank"]):
             return 0
         # string indexes -> this table's group and op indexes
         gmap = np.zeros(len(strings), dtype=np.int64)
         omap = np.zeros(len(strings), dtype=np.int64)
-        for i in np.unique(c["group"]).tolist():
+        for i in np.unique(v["group"]).tolist():
             gmap[i] = self._group(strings[i])
-        for i in np.unique(c["op"]).tolist():
+        for i in np.unique(v["op"]).tolist():
             omap[i] = self._op(strings[i])
-        slots = self._lookup(self._key(c["rank"], gmap[c["group"]]))
-        for i in np.flatnonzero(slots < 0).tolist():  # new (rank, group)s
-            slots[i] = self._slot(int(c["rank"][i]), strings[int(c["group"][i])], int(c["group_size"][i]))
-        v = {"slot": slots, "op": omap[c["op"]], **{name: c[name] for name in _APPLIED[2:]}}
-        slot, e, c = v["slot"], v["entered_seq"], v["completed_seq"]
+        slot = self._lookup(self._key(v["rank"], gmap[v["group"]]))
+        for i in np.flatnonzero(slot < 0).tolist():  # new (rank, group)s
+            slot[i] = self._slot(int(v["rank"][i]), strings[int(v["group"][i])], int(v["group_size"][i]))
+        op = omap[v["op"]]
+        e, c = v["entered_seq"], v["completed_seq"]
         # the furthest row per slot (rows of one slot may repeat across blocks)
         order = np.lexsort((c, e, slot))
         last = np.ones(len(order), dtype=bool)
         last[:-1] = slot[order][1:] != slot[order][:-1]
         keep = order[last]
+        rows = len(slot)
         slot, e, c = slot[keep], e[keep], c[keep]
         cols = self._cols
         have_e, have_c = cols["entered"][slot], cols["completed"][slot]
@@ -189,12 +186,11 @@ class Wavefronts:
         cols["entered"][s] = e[newer]
         cols["completed"][s] = c[newer]
         cols["heard"][slot] = 1
-        for col, name in (("entered_ns", "entered_ns"), ("completed_ns", "completed_ns"),
-                          ("sig", "signature"), ("step", "step"), ("op", "op")):
-            cols[col][s] = v[name][keep][newer]
-        self.rows_applied += len(v["slot"])
-        self._reindex()
-        return len(v["slot"])
+        for col, values in (("entered_ns", v["entered_ns"]), ("completed_ns", v["completed_ns"]),
+                            ("sig", v["signature"]), ("step", v["step"]), ("op", op)):
+            cols[col][s] = values[keep][newer]
+        self.rows_applied += rows
+        return rows
 
     def _op(self, name: str) -> int:
         return _intern(self._ops, self._op_names, name)

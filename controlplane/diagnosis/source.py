@@ -131,8 +131,7 @@ def attempt_traces(source: TraceSource, job_id: str, attempt: int,
             b = builders[rank] = TraceBuilder(rank, table, source="store")
         return b
 
-    for g in (source.process_groups(job_id, attempt) if groups is None else
-              source.process_groups(job_id, attempt, groups=groups)):
+    for g in source.process_groups(job_id, attempt, groups=groups):
         for name in (g.group, p2p_group(g.group)):
             builder(g.rank).declare_group(name, g.desc, g.ranks)
     for c in source.collectives(job_id, attempt) if rows is None else rows:

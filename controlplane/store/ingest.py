@@ -222,8 +222,9 @@ def _check_fronts(block: events_pb2.CollectiveFronts) -> None:
         raise InvalidBatch(str(exc)) from None
     if not len(col["job_id"]):
         return
-    lo = {name: int(values.min()) for name, values in col.items()}
-    hi = {name: int(values.max()) for name, values in col.items()}
+    checked = ("job_id", "group", "op", "attempt", "rank", "group_size", "signature", "entered_seq", "completed_seq")
+    lo = {name: int(col[name].min()) for name in checked}
+    hi = {name: int(col[name].max()) for name in checked}
     strings = block.strings
     for name, limit in (("job_id", JOB_ID_LEN), ("group", NAME_LEN), ("op", OP_LEN)):
         if lo[name] < 0 or hi[name] >= len(strings):
@@ -287,10 +288,10 @@ def _merged(rows: list[tuple]) -> list[tuple]:
 
 
 @contextlib.contextmanager
-def _dbapi_cursor(session: Session, what: str) -> Iterator[tuple[Any, str]]:
+def dbapi_cursor(session: Session, what: str) -> Iterator[tuple[Any, str]]:
     """The session connection's raw DBAPI cursor and dialect name, its errors translated as
-    SQLAlchemy's own would be. SQLAlchemy's per-row parameter handling costs more than the
-    database does for the bulk writes below."""
+    SQLAlchemy's own would be (``what`` names the statement). SQLAlchemy's per-row parameter
+    handling costs more than the database does for the store's bulk writes."""
     dialect = session.get_bind().dialect
     cursor = session.connection().connection.dbapi_connection.cursor()
     try:
@@ -312,7 +313,7 @@ def _copy_upsert(session: Session, sql: str, table: str, stage: str, columns: Se
     """Run one upsert statement over ``rows`` inside the caller's transaction:
     ``executemany`` of ``sql`` on SQLite; on PostgreSQL ``COPY`` into the session's staging
     table ``stage`` (shaped like ``table``), then ``sql`` once (it selects from ``stage``)."""
-    with _dbapi_cursor(session, sql) as (cursor, dialect_name):
+    with dbapi_cursor(session, sql) as (cursor, dialect_name):
         if dialect_name == "sqlite":
             cursor.executemany(sql, rows)
         else:
@@ -324,7 +325,7 @@ def _copy_upsert(session: Session, sql: str, table: str, stage: str, columns: Se
 def _copy_insert(session: Session, table: str, columns: Sequence[str], rows: Sequence[tuple]) -> None:
     """Insert ``rows`` into ``table`` inside the caller's transaction: ``executemany`` on
     SQLite, ``COPY`` on PostgreSQL."""
-    with _dbapi_cursor(session, f"insert into {table}") as (cursor, dialect_name):
+    with dbapi_cursor(session, f"insert into {table}") as (cursor, dialect_name):
         if dialect_name == "sqlite":
             cursor.executemany(f"INSERT INTO {table} ({', '.join(columns)}) "
                                f"VALUES ({', '.join(['?'] * len(columns))})", rows)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import case, func, select
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError
 
 from fleet.controlplane.store import ingest
 from fleet.controlplane.store.base import StoreBase
@@ -111,10 +111,8 @@ class TelemetryMethods(StoreBase):
                 now = time.time()
                 keys = [(agent_id, epoch, seq) for agent_id, epoch, seq, _ in batches]
                 new_keys: set[tuple] = set()
-                dialect = s.get_bind().dialect
-                cursor = s.connection().connection.dbapi_connection.cursor()
-                try:
-                    if dialect.name == "postgresql":  # one short statement over arrays
+                with ingest.dbapi_cursor(s, "ingest_batches marker") as (cursor, dialect_name):
+                    if dialect_name == "postgresql":  # one short statement over arrays
                         cursor.execute(_PG_MARKER_SQL, [
                             [b[0] for b in batches], [b[1] for b in batches], [b[2] for b in batches],
                             [now] * len(batches), [b[3].events for b in batches]])
@@ -126,10 +124,6 @@ class TelemetryMethods(StoreBase):
                                       for v in (agent_id, epoch, seq, now, rows.events)]
                             cursor.execute(_marker_sql(len(chunk)), params)
                             new_keys.update(tuple(r) for r in cursor.fetchall())
-                except dialect.loaded_dbapi.Error as e:
-                    raise DBAPIError.instance("ingest_batches marker", None, e, dialect.loaded_dbapi.Error) from e
-                finally:
-                    cursor.close()
                 seen: set[tuple] = set()
                 for key in keys:  # the same key twice in one call: the first is the fresh one
                     fresh.append(key in new_keys and key not in seen)
@@ -227,13 +221,16 @@ class TelemetryMethods(StoreBase):
         with self._tx(write=False) as s:
             return [_collective_record(r) for r in s.execute(stmt)]
 
-    def process_groups(self, job_id: str, attempt: int | None = None, *,
+    def process_groups(self, job_id: str, attempt: int | None = None, *, ranks: Sequence[int] | None = None,
                        groups: Sequence[str] | None = None) -> list[ProcessGroupRecord]:
-        """Process groups as the ranks declared them (of ``groups`` only, when given),
-        ordered by attempt, group, rank."""
+        """Process groups as the ranks declared them (the rows of ``ranks`` and/or
+        ``groups`` only, when given: their member lists are the only ones parsed), ordered
+        by attempt, group, rank."""
         stmt = select(ProcessGroupRow).where(ProcessGroupRow.job_id == job_id)
         if attempt is not None:
             stmt = stmt.where(ProcessGroupRow.attempt == attempt)
+        if ranks is not None:
+            stmt = stmt.where(ProcessGroupRow.rank.in_(list(ranks)))
         if groups is not None:
             stmt = stmt.where(ProcessGroupRow.group_name.in_(list(groups)))
         stmt = stmt.order_by(ProcessGroupRow.attempt, ProcessGroupRow.group_name, ProcessGroupRow.rank)
@@ -540,22 +537,6 @@ class TelemetryMethods(StoreBase):
         with self._tx(write=False) as s:
             return int(s.scalar(select(func.count(func.distinct(c.group_name)))
                                 .where(c.job_id == job_id, c.attempt == attempt)) or 0)
-
-    def declared_groups(self, job_id: str, attempt: int, *, ranks: Sequence[int] | None = None,
-                        groups: Sequence[str] | None = None) -> list[ProcessGroupRecord]:
-        """``process_groups`` narrowed to the rows of ``ranks`` and/or ``groups`` (their member
-        lists are the only ones parsed), ordered by group, rank."""
-        p = ProcessGroupRow.__table__.c
-        stmt = select(ProcessGroupRow.__table__).where(p.job_id == job_id, p.attempt == attempt)
-        if ranks is not None:
-            stmt = stmt.where(p.rank.in_(list(ranks)))
-        if groups is not None:
-            stmt = stmt.where(p.group_name.in_(list(groups)))
-        stmt = stmt.order_by(p.group_name, p.rank)
-        with self._tx(write=False) as s:
-            return [ProcessGroupRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
-                                       desc=r.desc, ranks=tuple(json.loads(r.ranks)))
-                    for r in s.execute(stmt)]
 
     def group_members(self, job_id: str, attempt: int, groups: Sequence[str]) -> dict[str, tuple[int, ...]]:
         """The declared members of each of ``groups`` (one member's declaration read per group;

@@ -136,8 +136,8 @@ def unpack(block: events_pb2.CollectiveFronts) -> list[FrontRow]:
 
 
 class FrontColumns(NamedTuple):
-    """A block's columns as int64 arrays (``COLUMNS`` names; those of ``STRING_COLUMNS``
-    hold indexes into ``strings``)."""
+    """Rows of one or more blocks as int64 columns (``COLUMNS`` names; those of
+    ``STRING_COLUMNS`` hold indexes into ``strings``)."""
 
     strings: list[str]
     cols: dict[str, np.ndarray]
