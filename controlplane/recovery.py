@@ -51,7 +51,8 @@ def finish_recovery(job_id: str, r: PendingRecovery, span: tuple[int, int, int],
     pg_init_s = max(pg, default=0.0)
     restore_s = max((w.phase_s for w in restored), default=0.0)
     restored_step = min((w.restored_step for w in restored), default=0)
-    sources = sorted({w.detail.split(" from ")[0] or "fresh" for w in restored})
+    # a detail reads "memory", "peer copy from rank 3", "disk: <why not memory>" ...
+    sources = sorted({w.detail.split(":")[0].split(" from ")[0] or "fresh" for w in restored})
     first_end = span[0] / 1e9
     return RecoveryRecord(
         job_id=job_id, incident_id=r.incident_id, failed_attempt=r.failed_attempt, attempt=r.attempt,

@@ -203,6 +203,12 @@ class SnapshotHolder:
             kept = [s for s in self._by_layout.get(layout, []) if at_most <= 0 or s.step <= at_most]
             return kept[-1] if kept else None
 
+    def steps(self, layout: tuple, at_most: int = 0) -> list[int]:
+        """The steps held for ``layout`` (no newer than ``at_most`` when > 0), newest first."""
+        with self._lock:
+            return sorted((s.step for s in self._by_layout.get(layout, []) if at_most <= 0 or s.step <= at_most),
+                          reverse=True)
+
     def newest_verified(self, layout: tuple, before: int = 0) -> Snapshot | None:
         """The newest snapshot whose check passed (older than step ``before`` when > 0)."""
         with self._lock:

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 from pydantic.fields import FieldInfo
 from pydantic.dataclasses import dataclass as validated_dataclass
 
@@ -160,11 +160,24 @@ class TrainArgs:
         True, description="Write checkpoints in the background; training waits only for the copy."
     )
     keep_checkpoints: int = Field(3, ge=1, description="Newest valid checkpoints kept on disk.")
-    memory_snapshots: bool = Field(
-        True, description="Copy the training state to memory after every step, so a restart loses at most "
-        "the step in flight: replicated (DDP) state comes from any surviving rank, sharded state only while "
-        "every rank survives; otherwise the newest valid checkpoint on disk is used.",
+    memory_snapshots: Literal["off", "local", "peer"] = Field(
+        "peer", description="Copy the training state to memory after every step, so a restart loses at most "
+        "the step in flight. `local`: each rank keeps its own copy; replicated (DDP) state comes from any "
+        "surviving rank, sharded state only while every rank survives. `peer` (the default): sharded state "
+        "(FSDP, expert shards) also has a copy on a buddy rank on another node, so a lost rank or node is "
+        "restored from memory too (on one node, where there is no other node, `peer` is `local`). `off`: "
+        "none. Without a copy in memory, the newest valid checkpoint on disk is used. true means peer, false off.",
     )
+
+    @field_validator("memory_snapshots", mode="before")
+    @classmethod
+    def _snapshots_from_bool(cls, v: Any) -> Any:
+        return {True: "peer", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+    @property
+    def sharded(self) -> bool:
+        """Whether ranks hold different state (anything but DDP without expert parallelism)."""
+        return not (self.data_parallel == "ddp" and self.ep_size == 1)
 
 
 def _documented(default: int | float, description: str, **bounds: float) -> Any:

@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from fleet.proto import events_pb2
-from fleet.workers import checkpoint, data, flops, metrics, parallel, sdc, snapshot
+from fleet.workers import buddy, checkpoint, data, flops, metrics, parallel, sdc, snapshot
 from fleet.workers.failures import NonFiniteLossError, SdcError
 from fleet.workers.faults import FaultHooks
 from fleet.workers.model import Transformer
@@ -145,9 +145,22 @@ class Trainer:
         self.replicated = self.train.data_parallel == "ddp" and self.train.ep_size == 1
         self.layout = (spec.job_id, repr(self.args), self.train.data_parallel, self.train.ep_size,
                        0 if self.replicated else spec.world_size, -1 if self.replicated else spec.rank)
-        self.snapshots = self.train.memory_snapshots
+        self.snapshots = self.train.memory_snapshots != "off"
+        # peer copies (workers/buddy.py): a sharded rank's snapshot also lives on another node
+        self.buddies = buddy.Buddies(spec.rank, spec.local_world_size, spec.group_rank, spec.group_world_size)
+        self.peers: buddy.PeerLink | None = None
+        if (self.train.memory_snapshots == "peer" and self.train.sharded and self.buddies.active
+                and spec.world_size == spec.local_world_size * spec.group_world_size):
+            ward_layout = (*self.layout[:-1], self.buddies.ward)
+            self.peers = buddy.PeerLink(self.buddies, dist.new_group(backend="gloo",
+                                        timeout=timedelta(seconds=spec.pg_timeout_s)),
+                                        self.layout, ward_layout, timedelta(seconds=spec.pg_timeout_s))
+        #: why the restore could not come from memory ("" when it did, or nothing was there)
+        self.restore_reason = ""
         self._live: list[torch.Tensor] = []
-        self.restored_from = ""  # "memory", "memory from rank N", "disk" or "" (fresh)
+        #: "memory", "memory from rank N", "peer copy from rank N", "disk", "disk: <why not memory>"
+        #: or "" (a fresh start)
+        self.restored_from = ""
         #: rank 0: checkpoints ``restore`` found failing verification (to be reported)
         self.invalid_checkpoints: list[checkpoint.InvalidCheckpoint] = []
         #: called with (step, micro-batch loss) -> loss; fault injection's NaN hook
@@ -212,31 +225,44 @@ class Trainer:
         """
         world, rank = self.spec.world_size, self.spec.rank
         ceiling = self.spec.restore_at_most
-        holder = snapshot.holder()
+        holder, peers = snapshot.holder(), buddy.holder()
         holder.forget_other_jobs(self.spec.job_id)
+        peers.forget_other_jobs(self.spec.job_id)
         snapshot.ensure_adam_state(self.optimizer)
-        mine = holder.newest(self.layout, at_most=ceiling) if self.snapshots else None
-        info = torch.zeros(world + 1, dtype=torch.int64, device=self.device)
-        info[rank] = mine.step if mine is not None else 0
+        keep = snapshot.KEEP
+        # [own snapshot steps per rank | steps of each rank's copy its buddy holds | disk]
+        info = torch.zeros(2 * world * keep + 1, dtype=torch.int64, device=self.device)
+        if self.snapshots:
+            own = holder.steps(self.layout, at_most=ceiling)[:keep]
+            info[rank * keep:rank * keep + len(own)] = torch.tensor(own, dtype=torch.int64)
+        if self.peers is not None:
+            held = [s for s in peers.steps(self.peers.ward_layout) if ceiling <= 0 or s <= ceiling][:keep]
+            at = (world + self.buddies.ward) * keep
+            info[at:at + len(held)] = torch.tensor(held, dtype=torch.int64)
         if rank == 0:
             found = checkpoint.latest_valid(self.spec.checkpoint_dir, skipped=self.invalid_checkpoints,
                                             at_most=ceiling)
             if found is not None:
-                info[world] = found[0]
+                info[-1] = found[0]
         self.recorder.all_reduce(info)
-        mem = [int(x) for x in info[:world].tolist()]
-        disk = int(info[world].item())
+        steps = info.tolist()
+        own_steps = [[s for s in steps[r * keep:(r + 1) * keep] if s] for r in range(world)]
+        held_steps = [[s for s in steps[(world + r) * keep:(world + r + 1) * keep] if s] for r in range(world)]
+        disk = int(steps[-1])
+        mem = [max(s, default=0) for s in own_steps]
         step = 0
         if self.replicated and max(mem) > 0 and max(mem) >= disk:
             step = max(mem)
             self._restore_replicated(step, src=mem.index(step))
-        elif not self.replicated and min(mem) > 0 and max(mem) - min(mem) <= 1 and min(mem) >= disk:
-            step = min(mem)
-            self._restore_own_shard(step)
+        elif not self.replicated and (found_plan := self._plan(own_steps, held_steps, disk)).step:
+            step = found_plan.step
+            self._restore_sharded(found_plan)
         elif disk:
             step = disk
             self._restore_disk(step)
         holder.drop_newer(self.layout, step)  # a future this attempt does not continue
+        if self.peers is not None:
+            peers.drop_newer(self.peers.ward_layout, step)
         self._live = snapshot.state_tensors(self.model, self.optimizer)
         self._lanes = sdc.state_lanes(self.model, self.optimizer)
         biases = [id(layer.expert_bias) for layer in self.moe]
@@ -260,15 +286,46 @@ class Trainer:
         for layer, bias in zip(self.moe, extra.get("router_bias", []), strict=False):
             layer.expert_bias.copy_(bias)
         self._data_position = extra.get(checkpoint.DATA_POSITION)
-        self.restored_from = "disk"
+        self.restored_from = f"disk: {self.restore_reason}" if self.restore_reason else "disk"
 
-    def _restore_own_shard(self, step: int) -> None:
-        snap = snapshot.holder().get(self.layout, step)
-        if snap is None:  # cannot happen: snapshots are kept for the last two steps
-            raise RuntimeError(f"rank {self.spec.rank} lost its in-memory snapshot of step {step}")
-        snapshot.restore_into(snapshot.state_tensors(self.model, self.optimizer), snap)
+    def _plan(self, own: list[list[int]], held: list[list[int]], disk: int) -> buddy.Plan:
+        """Where each rank's shard comes from: its own snapshot, its buddy's copy, or (step
+        0) not from memory, ``restore_reason`` saying why when some memory was there."""
+        world = self.spec.world_size
+        buddy_of = [self.buddies.buddy_of(r) if self.peers is not None else -1 for r in range(world)]
+        if self.peers is None:
+            held = [[] for _ in range(world)]
+        found = buddy.plan(own, held, buddy_of, disk)
+        if not found.step and any(own) and not (self.spec.restore_at_most and disk):
+            self.restore_reason = found.reason if self.peers is not None else (
+                "a rank's shard has no copy in memory (memory_snapshots is local, or the job is on one node)")
+        return found
+
+    def _restore_sharded(self, found: buddy.Plan) -> None:
+        """Every rank restores its own snapshot of ``found.step``, or receives its buddy's
+        copy of it when its own is gone (a replacement process)."""
+        rank, step = self.spec.rank, found.step
+        live = snapshot.state_tensors(self.model, self.optimizer)
+        sending = []
+        if self.peers is not None:
+            ward = self.buddies.ward
+            if found.sources[ward] == rank:
+                sending = self.peers.send_copy(step, to=ward)
+        src = found.sources[rank]
+        if src < 0:
+            snap = snapshot.holder().get(self.layout, step)
+            if snap is None:  # cannot happen: the plan only names steps this rank reported
+                raise RuntimeError(f"rank {rank} lost its in-memory snapshot of step {step}")
+            self.restored_from = "memory"
+        else:
+            snap = snapshot.holder().stage(self.layout, step, live, None, sdc.state_lanes(self.model, self.optimizer))
+            self.peers.receive_into(snap, src)
+            snapshot.holder().commit(self.layout, snap)
+            self.restored_from = f"peer copy from rank {src}"
+        for work in sending:
+            work.wait(self.peers.timeout)
+        snapshot.restore_into(live, snap)
         self._data_position = snap.data_position
-        self.restored_from = "memory"
 
     def _restore_replicated(self, step: int, src: int) -> None:
         """Every rank gets rank ``src``'s snapshot of ``step``: one broadcast per dtype."""
@@ -405,6 +462,8 @@ class Trainer:
             for i in self._bias_idx:  # router biases moved after the copy
                 staged.tensors[i].copy_(self._live[i])
             snapshot.holder().commit(self.layout, staged)
+            if self.peers is not None:
+                self.peers.exchange(staged)
         return StepResult(
             step=step, loss=final.loss_sum / world, aux_loss=final.aux_sum / world,
             grad_norm=local.grad_norm, lr=local.lr, step_time_s=time.perf_counter() - t0,
