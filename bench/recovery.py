@@ -2,16 +2,20 @@
 
     pip install -e '.[bench]'      # Ray Train (TorchTrainer) for the Ray Train peer
     python bench/recovery.py [--steps 400] [--kill-step 100] [--runs 1] [--skip-raytrain]
+                             [--data-parallel ddp,fsdp] [--world-sizes 4,16]
 
-One job (4 ranks, DDP, the "tiny" preset widened to 1.02M parameters, checkpoints every
-20 steps, asynchronous as fleet's default) trained by fleet's own loop
-(``workers.train.run``) under each runner, in one run of this script. The fault: rank 1
-is SIGKILLed at the start of step ``--kill-step`` (first attempt only). Each runner at
-its best configuration:
+Two jobs (4 ranks, the "tiny" preset widened to 1.02M parameters, checkpoints every 20
+steps, asynchronous as fleet's default): DDP, and FSDP2 + expert parallelism over pairs
+of ranks (the local example's shape; ``--data-parallel`` picks), each trained by
+fleet's own loop (``workers.train.run``) under each runner, in one run of this script;
+``--world-sizes`` repeats them at other sizes. The fault: rank 1 is SIGKILLed at the
+start of step ``--kill-step`` (first attempt only). Each runner at its best
+configuration:
 
-* **fleet**: ``fleet up`` (2 simulated nodes x 2 ranks, one warm spare process per
-  node, in-memory snapshots every step, telemetry every 0.1 s) with the crash scheduled
-  in the cluster.yaml's ``chaos:`` section (what ``fleet inject-fault`` does too).
+* **fleet**: ``fleet up`` (2 simulated nodes, half the ranks on each, one warm spare
+  process per node, in-memory snapshots every step with peer copies of sharded state on
+  the other node, telemetry every 0.1 s) with the crash scheduled in the cluster.yaml's
+  ``chaos:`` section (what ``fleet inject-fault`` does too).
 * **torchrun**: ``torch.distributed.run --standalone --local-addr 127.0.0.1
   --max-restarts 3 --monitor-interval 0.1`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torch's
   default (the rendezvous TCPStore shared with the workers) every restarted gloo group
@@ -42,7 +46,12 @@ Addresses: everything the script chooses is 127.0.0.1 (Ray's node, torchrun's
 MASTER_ADDR, gloo on ``lo``), but two stores are torch's and listen on every interface:
 torchrun's standalone rendezvous store and the one Ray Train's ``env://`` process group
 starts (under torchrun, the workers' own store is fleet's, bound to MASTER_ADDR only).
-The last line of output is one JSON object.
+* **train_wall_s**: the first step's start to the last step's end; **run_wall_s**: the
+  runner's whole run (start-up, the fault and teardown included): what the user waits.
+
+The last line of output is one JSON object: per runner ``<runner>_<figure>`` for the first job, the same suffixed ``_fsdp`` (and ``_w<size>``)
+for the others, and per job ``step_time_ratio_vs_torchrun`` and ``wall_ratio_vs_torchrun``
+(fleet's median step time and run_wall_s over torchrun's).
 """
 
 from __future__ import annotations
@@ -98,7 +107,7 @@ def metrics(step_rows: Sequence[dict], kill_time: float | None, kill_step: int) 
     """
     if not step_rows:
         return {"recovery_s": None, "steps_lost": None, "restored_step": None, "ettr": None,
-                "median_step_s": None, "wall_s": None, "productive_s": None, "final_step": None}
+                "median_step_s": None, "train_wall_s": None, "productive_s": None, "final_step": None}
     # per attempt: its first step end; attempts that started training after the kill
     first_end: dict = {}
     for r in step_rows:
@@ -142,7 +151,7 @@ def metrics(step_rows: Sequence[dict], kill_time: float | None, kill_step: int) 
         "restored_step": restored,
         "ettr": productive / wall if wall > 0 else None,
         "median_step_s": statistics.median(healthy) if healthy else None,
-        "wall_s": wall,
+        "train_wall_s": wall,
         "productive_s": productive,
         "final_step": max(last_run),
     }
@@ -230,10 +239,12 @@ def _fleet_cluster(job: RecoveryJob, workdir: Path, fault: dict) -> Path:
 
     cfg = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
     assert job.world_size % 2 == 0, "fleet's run places the ranks on two nodes"
+    cfg["ray"]["cpus_per_node"] = max(cfg["ray"]["cpus_per_node"], job.world_size // 2 + 2)  # ranks + spares
     cfg["job"].update(
         nodes=2, ranks_per_node=job.world_size // 2, steps=job.steps,
         checkpoint_interval=job.checkpoint_interval, checkpoint_dir=str(workdir / "checkpoints"),
-        data_parallel="ddp", ep_size=1, pg_timeout_s=job.pg_timeout_s, memory_snapshots=True,
+        data_parallel=job.data_parallel, ep_size=job.ep_size, pg_timeout_s=job.pg_timeout_s,
+        memory_snapshots="peer",
         model={"preset": "tiny", "fp8": "off", "dim": job.dim, "ffn_hidden": job.ffn_hidden})
     cfg["state_dir"] = str(workdir / ".fleet")
     cfg["store"] = {"url": f"sqlite:///{workdir}/.fleet/fleet.db"}
@@ -336,7 +347,7 @@ def run_raytrain(job: RecoveryJob, workdir: Path, *, max_failures: int = 3, poll
 # -- report -----------------------------------------------------------------------------
 
 
-FIGURES = ("recovery_s", "steps_lost", "ettr", "median_step_s")
+FIGURES = ("recovery_s", "steps_lost", "ettr", "median_step_s", "train_wall_s", "run_wall_s")
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -368,7 +379,7 @@ def summarize(base: RecoveryJob, outcomes: dict[str, list[Outcome]]) -> tuple[di
         if not runs:
             result.update({f"{runner}_{k}": None for k in (*FIGURES, "hang_detect_s")})
             continue
-        figs = [metrics(o.step_rows, o.kill_time, base.kill_step) for o in runs]
+        figs = [{**metrics(o.step_rows, o.kill_time, base.kill_step), "run_wall_s": o.wall_s} for o in runs]
         med = {k: _median([f[k] for f in figs]) for k in FIGURES}
         if runner == "fleet":
             hang, basis = _median([o.hang_detect_s for o in runs]), "measured"
@@ -381,9 +392,38 @@ def summarize(base: RecoveryJob, outcomes: dict[str, list[Outcome]]) -> tuple[di
         if notes:
             result[f"{runner}_notes"] = notes
         rows.append([runner, _fmt(med["recovery_s"]), _fmt(med["steps_lost"], 0), _fmt(med["ettr"], 3),
-                     _fmt(med["median_step_s"], 3), f"{_fmt(hang, 1)} ({basis})", "; ".join(notes)])
+                     _fmt(med["median_step_s"], 3), _fmt(med["run_wall_s"], 1), f"{_fmt(hang, 1)} ({basis})",
+                     "; ".join(notes)])
     result["median_step_s"] = _median([result[f"{r}_median_step_s"] for r in outcomes])
     return result, rows
+
+
+def ratios(figures: dict) -> dict:
+    """fleet against torchrun on one job: median step time and the whole run's wall clock."""
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    return {"step_time_ratio_vs_torchrun": ratio(figures.get("fleet_median_step_s"),
+                                                 figures.get("torchrun_median_step_s")),
+            "wall_ratio_vs_torchrun": ratio(figures.get("fleet_run_wall_s"), figures.get("torchrun_run_wall_s"))}
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("ddp", "fsdp")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"--data-parallel takes ddp and/or fsdp, not {text!r}")
+    return modes
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(n < 2 or n % 2 for n in sizes):
+        raise argparse.ArgumentTypeError(f"--world-sizes takes even sizes >= 2, not {text!r}")
+    return sizes
 
 
 def main() -> int:
@@ -401,6 +441,12 @@ def main() -> int:
     parser.add_argument("--skip-raytrain", action="store_true")
     parser.add_argument("--check-torchrun-default", action="store_true",
                         help="also run torchrun with torch's default shared rendezvous store (does not recover)")
+    parser.add_argument("--data-parallel", type=_modes, default=["ddp", "fsdp"],
+                        help="comma-separated jobs: ddp (replicated) and/or fsdp (FSDP2 + expert parallelism "
+                        "over 2, the local example's shape); keys of the first unsuffixed, the others' _<mode>")
+    parser.add_argument("--world-sizes", type=_sizes, default=[4],
+                        help="comma-separated world sizes (even: two nodes); keys of the first unsuffixed, "
+                        "the others' _w<size>")
     parser.add_argument("--timeout-s", type=float, default=900, help="per runner and run")
     parser.add_argument("--stall-s", type=float, default=60,
                         help="stop a runner that logs no step for this long after the kill")
@@ -409,31 +455,42 @@ def main() -> int:
     args = parser.parse_args()
 
     runners = [r for r in RUNNERS if not getattr(args, f"skip_{r}")]
-    base = RecoveryJob(workdir="", steps=args.steps, kill_step=args.kill_step,
-                       checkpoint_interval=args.checkpoint_interval, pg_timeout_s=args.pg_timeout_s)
+    jobs = []  # (key suffix, job): the first data-parallel mode and world size unsuffixed
+    for i, mode in enumerate(args.data_parallel):
+        for j, world in enumerate(args.world_sizes):
+            suffix = ("" if i == 0 else f"_{mode}") + ("" if j == 0 else f"_w{world}")
+            jobs.append((suffix, RecoveryJob(
+                workdir="", steps=args.steps, kill_step=args.kill_step, checkpoint_interval=args.checkpoint_interval,
+                pg_timeout_s=args.pg_timeout_s, world_size=world, data_parallel=mode,
+                ep_size=2 if mode == "fsdp" else 1)))
     from fleet.workers.flops import describe
 
-    params = describe(base.model())["total_params"]
-    print(f"job: {base.world_size} ranks, DDP, {params / 1e6:.2f}M parameters, {base.steps} steps, "
-          f"checkpoint every {base.checkpoint_interval}, rank {base.kill_rank} SIGKILLed at step "
-          f"{base.kill_step}; runners {', '.join(runners)}; {args.runs} run(s)", flush=True)
+    params = describe(jobs[0][1].model())["total_params"]
+    for suffix, job in jobs:
+        shape = "DDP" if job.data_parallel == "ddp" else f"FSDP2 + expert parallelism over {job.ep_size}"
+        print(f"job{suffix or ' (unsuffixed keys)'}: {job.world_size} ranks, {shape}, {params / 1e6:.2f}M "
+              f"parameters, {job.steps} steps, checkpoint every {job.checkpoint_interval}, rank {job.kill_rank} "
+              f"SIGKILLed at step {job.kill_step}", flush=True)
+    print(f"runners {', '.join(runners)}; {args.runs} run(s) each, interleaved", flush=True)
 
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="fleet-bench-recovery-")
     root = args.workdir.resolve() if args.workdir else Path(tmp.name)
-    outcomes: dict[str, list[Outcome]] = defaultdict(list)
+    outcomes: dict[str, dict[str, list[Outcome]]] = {suffix: defaultdict(list) for suffix, _ in jobs}
     shared_store: Outcome | None = None
+    base = jobs[0][1]
     try:
         for i in range(args.runs):
-            for runner in runners:  # interleaved, so machine noise hits every runner alike
-                workdir = root / f"run{i + 1}-{runner}"
-                workdir.mkdir(parents=True, exist_ok=True)
-                out = _run(runner, dataclasses.replace(base, workdir=str(workdir)), args)
-                outcomes[runner].append(out)
-                m = metrics(out.step_rows, out.kill_time, base.kill_step)
-                print(f"  run {i + 1} {runner}: recovery {_fmt(m['recovery_s'])} s, steps lost "
-                      f"{m['steps_lost']}, ETTR {_fmt(m['ettr'], 3)}, median step "
-                      f"{_fmt(m['median_step_s'], 3)} s, wall {out.wall_s:.1f} s"
-                      + (f" ({out.note})" if out.note else ""), flush=True)
+            for suffix, job in jobs:
+                for runner in runners:  # interleaved, so machine noise hits every runner alike
+                    workdir = root / f"run{i + 1}{suffix}-{runner}"
+                    workdir.mkdir(parents=True, exist_ok=True)
+                    out = _run(runner, dataclasses.replace(job, workdir=str(workdir)), args)
+                    outcomes[suffix][runner].append(out)
+                    m = metrics(out.step_rows, out.kill_time, job.kill_step)
+                    print(f"  run {i + 1}{suffix} {runner}: recovery {_fmt(m['recovery_s'])} s, steps lost "
+                          f"{m['steps_lost']}, ETTR {_fmt(m['ettr'], 3)}, median step "
+                          f"{_fmt(m['median_step_s'], 3)} s, wall {out.wall_s:.1f} s"
+                          + (f" ({out.note})" if out.note else ""), flush=True)
         if args.check_torchrun_default:
             workdir = root / "torchrun-shared-store"
             workdir.mkdir(parents=True, exist_ok=True)
@@ -443,10 +500,15 @@ def main() -> int:
         if tmp is not None:
             tmp.cleanup()
 
-    result, rows = summarize(base, outcomes)
-    result = {"steps": base.steps, "kill_step": base.kill_step, "kill_rank": base.kill_rank,
-              "world_size": base.world_size, "params": params,
-              "checkpoint_interval": base.checkpoint_interval, "runs": args.runs, **result}
+    result: dict = {"steps": base.steps, "kill_step": base.kill_step, "kill_rank": base.kill_rank,
+                    "world_size": base.world_size, "params": params,
+                    "checkpoint_interval": base.checkpoint_interval, "runs": args.runs}
+    tables = []
+    for suffix, job in jobs:
+        figures, rows = summarize(job, outcomes[suffix])
+        figures.update(ratios(figures))
+        result.update({f"{k}{suffix}": v for k, v in figures.items()})
+        tables.append((suffix, job, rows))
     if shared_store is not None:
         m = metrics(shared_store.step_rows, shared_store.kill_time, base.kill_step)
         recovered = m["recovery_s"] is not None
@@ -457,11 +519,13 @@ def main() -> int:
         result.update(torchrun_shared_store_recovered=recovered,
                       torchrun_shared_store_restarts=x["restarts"],
                       torchrun_shared_store_gloo_failures=x["gloo_connect_failures"])
-    if rows:
-        print()
-        print_table(f"kill of rank {base.kill_rank} at step {base.kill_step}, medians over {args.runs} run(s)",
-                    ["runner", "recovery s", "steps lost", "ETTR", "median step s", "hang detection s", "note"],
-                    rows)
+    for suffix, job, rows in tables:
+        if rows:
+            print()
+            print_table(f"{job.world_size} ranks, {job.data_parallel}: kill of rank {job.kill_rank} at step "
+                        f"{job.kill_step}, medians over {args.runs} run(s)",
+                        ["runner", "recovery s", "steps lost", "ETTR", "median step s", "wall s",
+                         "hang detection s", "note"], rows)
     print(json.dumps(result))
     return 0
 

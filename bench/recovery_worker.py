@@ -61,6 +61,8 @@ class RecoveryJob:
     world_size: int = 4
     checkpoint_interval: int = 20
     pg_timeout_s: float = 60.0   # the peers' process-group timeout: their hang detection
+    data_parallel: str = "ddp"   # "ddp" (replicated), or "fsdp": FSDP2 + expert parallelism over ep_size
+    ep_size: int = 1
     # "tiny" preset with these overrides: 1.02M parameters (`fleet model-info` counts)
     dim: int = 128
     ffn_hidden: int = 344
@@ -70,17 +72,18 @@ class RecoveryJob:
             raise ValueError(f"kill_rank ({self.kill_rank}) must be a rank of {self.world_size}")
         if self.kill_step > self.steps:
             raise ValueError(f"kill_step ({self.kill_step}) must be <= steps ({self.steps})")
+        if self.world_size % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) must divide the world size ({self.world_size})")
 
     def model(self) -> ModelArgs:
         return dataclasses.replace(PRESETS["tiny"], dim=self.dim, ffn_hidden=self.ffn_hidden)
 
     def train_args(self) -> TrainArgs:
-        # fleet's defaults otherwise (async checkpoints); DDP without expert parallelism.
-        # In-memory snapshots are off: they only help a process that survives the failure,
-        # and neither peer keeps one, so they would be pure per-step cost here.
+        # fleet's defaults otherwise (async checkpoints). In-memory snapshots are off: the
+        # peers restart every process, which loses them, so they would be pure per-step cost
         return dataclasses.replace(
             TrainArgs(), steps=self.steps, checkpoint_interval=self.checkpoint_interval,
-            data_parallel="ddp", ep_size=1, memory_snapshots=False)
+            data_parallel=self.data_parallel, ep_size=self.ep_size, memory_snapshots=False)
 
     def spec(self, rank: int, world_size: int, *, master_addr: str = "127.0.0.1", master_port: int = 0,
              external_store: bool = False, job_id: str = "recovery-bench") -> WorkerSpec:

@@ -276,8 +276,9 @@ def state_bytes(total_params: int, world: int, sharded: bool) -> int:
 
 
 def snapshot_memory(total_params: int, world: int, nodes: int, sharded: bool, peer: bool) -> int:
-    """Bytes a rank holds for in-memory snapshots: ``snapshot.KEEP`` of its own and, with
-    peer copies of sharded state on 2+ nodes, as many of its ward's."""
+    """Bytes a rank holds for in-memory snapshots: ``snapshot.KEEP`` copies of its own
+    state and the buffer the next one is taken into, and, with peer copies of sharded
+    state on 2+ nodes, as many of its ward's."""
     one = state_bytes(total_params, world, sharded)
-    copies = snapshot.KEEP * (2 if peer and sharded and nodes > 1 else 1)
+    copies = (snapshot.KEEP + 1) * (2 if peer and sharded and nodes > 1 else 1)
     return one * copies

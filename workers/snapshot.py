@@ -240,6 +240,12 @@ class SnapshotHolder:
             self._by_layout.clear()
             self._spare.clear()
 
+    def nbytes(self) -> int:
+        """Bytes held in snapshots and spare buffers."""
+        with self._lock:
+            snaps = [s for kept in self._by_layout.values() for s in kept] + list(self._spare.values())
+        return sum(sum(w.numel() * 8 for _, w in s.state.words) + s.rng.numel() for s in snaps)
+
 
 def _newest_verified(kept: list[Snapshot]) -> Snapshot | None:
     return next((s for s in reversed(kept) if s.verified), None)

@@ -92,6 +92,11 @@ class ModelArgs:
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and n_experts ({self.n_experts})")
 
 
+def snapshots_mode(value: Any) -> Any:
+    """``memory_snapshots`` as a mode: true is ``peer``, false ``off``."""
+    return {True: "peer", False: "off"}[value] if isinstance(value, bool) else value
+
+
 #: Named model shapes. ``tiny`` trains at several steps/s with 4 ranks on 2 CPU cores;
 #: ``small`` is GPU-sized; ``scout`` and ``maverick`` are Llama 4's real shapes
 #: (Hugging Face Llama4TextConfig of Llama-4-Scout-17B-16E / Maverick-17B-128E).
@@ -169,10 +174,8 @@ class TrainArgs:
         "none. Without a copy in memory, the newest valid checkpoint on disk is used. true means peer, false off.",
     )
 
-    @field_validator("memory_snapshots", mode="before")
-    @classmethod
-    def _snapshots_from_bool(cls, v: Any) -> Any:
-        return {True: "peer", False: "off"}.get(v, v) if isinstance(v, bool) else v
+    _snapshots_from_bool = field_validator("memory_snapshots", mode="before")(
+        classmethod(lambda cls, v: snapshots_mode(v)))
 
     @property
     def sharded(self) -> bool:

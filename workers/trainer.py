@@ -401,7 +401,7 @@ class Trainer:
 
     def step(self, step: int, stop_requested: bool) -> StepResult:
         t0 = time.perf_counter()
-        world, rank = self.spec.world_size, self.spec.rank
+        world = self.spec.world_size
         trigger = self._forced.pop(step, None)
         check = trigger is not None or self._periodic_check(step)
         local = self._compute(step)

@@ -60,17 +60,15 @@ def losses(tmp: Path, job_id: str, attempt: int | None = None) -> dict[int, floa
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """Two fault-free runs: no incident in either, the same losses; returns them."""
-    runs = []
-    for i in range(2):
-        tmp = tmp_path_factory.mktemp(f"reference{i}")
-        summary, report = run_job(tmp, chaos_cluster(tmp, []))
-        assert summary["state"] == "SUCCEEDED" and summary["final_step"] == STEPS
-        assert report["incidents"] == [] and report["restarts"] == 0, report["incidents"]
-        runs.append(losses(tmp, summary["job_id"]))
-    assert sorted(runs[0]) == list(range(1, STEPS + 1))
-    assert runs[0] == runs[1], "two fault-free runs disagree"
-    return runs[0]
+    """A fault-free run: no incident; returns its losses (every fault test's must equal
+    them bit for bit, which also fails if training were not deterministic)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    summary, report = run_job(tmp, chaos_cluster(tmp, []))
+    assert summary["state"] == "SUCCEEDED" and summary["final_step"] == STEPS
+    assert report["incidents"] == [] and report["restarts"] == 0, report["incidents"]
+    run = losses(tmp, summary["job_id"])
+    assert sorted(run) == list(range(1, STEPS + 1))
+    return run
 
 
 def check_job(tmp: Path, summary: dict, report: dict, reference: dict[int, float],
@@ -99,8 +97,13 @@ def test_crash_restarts_and_replays_bit_for_bit(tmp_path: Path, reference: dict[
     check_job(tmp_path, summary, report, reference, [("crash", 2, "node-1")], attempts=2)
     (incident,) = report["incidents"]
     assert incident["detected_after_s"] < 1.0, incident  # crash detection within 1 s
-    # rank 2's process died: its shard only was on disk, so the restore used step 10
-    assert incident["restored_step"] == 10 and incident["restored_from"] == "disk", incident
+    # rank 2's process died; its buddy on node-0 (rank 0) held a copy of its shard: the
+    # restore is from memory, the last finished step, and nothing is recomputed
+    assert (incident["restored_step"], incident["restored_from"], incident["steps_lost"]) == \
+        (14, "memory+peer copy", 0), incident
+    with store_of(tmp_path) as st:
+        restored = {w.rank: w.detail for w in st.worker_status(summary["job_id"], 2) if w.state == "RESTORED"}
+    assert restored == {0: "memory", 1: "memory", 2: "peer copy from rank 0", 3: "memory"}, restored
     assert set(incident["phases"]) == {"detect", "teardown", "place", "pg_init", "restore", "first_step"}
     assert incident["reused_workers"] == 3, incident  # the three surviving processes
 
@@ -161,6 +164,11 @@ def test_node_down_waits_for_the_node_and_restarts(tmp_path: Path, reference: di
     with store_of(tmp_path) as st:
         # the next attempt waited for node-1 to come back (2 nodes are needed) and used it
         assert {r.node for r in st.ranks(summary["job_id"], 2)} == {"node-0", "node-1"}
+        restored = {w.rank: w.detail for w in st.worker_status(summary["job_id"], 2) if w.state == "RESTORED"}
+    # node-1's two ranks were lost with it; their buddies on node-0 held their shards
+    assert restored == {0: "memory", 1: "memory", 2: "peer copy from rank 0", 3: "peer copy from rank 1"}, restored
+    (ending,) = [i for i in report["incidents"] if i["ended_attempt"]]
+    assert (ending["restored_step"], ending["steps_lost"]) == (14, 0), ending
 
 
 def test_agent_down_restarts_the_agent_and_training_goes_on(tmp_path: Path, reference: dict[int, float]) -> None:
@@ -192,14 +200,24 @@ def test_partition_is_detected_and_training_goes_on(tmp_path: Path, reference: d
             assert sorted(s.step for s in rows if s.rank == rank) == list(range(1, STEPS + 1))
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_an_older_one(tmp_path: Path, reference: dict[int, float]) -> None:
+def test_a_rank_and_its_buddy_lost_with_a_corrupt_checkpoint_fall_back_to_an_older_one(
+        tmp_path: Path, reference: dict[int, float]) -> None:
     summary, report = run_job(tmp_path, chaos_cluster(tmp_path, [
         {"kind": "ckpt-corrupt", "at_step": 25},           # rank 0 damages step 20's checkpoint
-        {"kind": "crash", "rank": 3, "at_step": 27},       # a replaced rank must read the disk
+        # rank 1 and its buddy rank 3 die together: no copy of either shard is left in
+        # memory, so every rank must read the disk
+        {"kind": "crash", "rank": 1, "at_step": 27},
+        {"kind": "crash", "rank": 3, "at_step": 27},
     ]))
-    check_job(tmp_path, summary, report, reference, [("crash", 3, "node-1")], attempts=2)
-    (incident,) = report["incidents"]
+    incidents = [(i["kind"], i["rank"], i["node"]) for i in report["incidents"]]
+    assert incidents and set(incidents) <= {("crash", 1, "node-0"), ("crash", 3, "node-1")}, incidents
+    check_job(tmp_path, summary, report, reference, incidents, attempts=2)
+    (incident,) = [i for i in report["incidents"] if i["ended_attempt"]]
     assert (incident["restored_step"], incident["restored_from"]) == (10, "disk"), incident
+    with store_of(tmp_path) as st:
+        restored = {w.detail for w in st.worker_status(summary["job_id"], 2) if w.state == "RESTORED"}
+    assert restored == {"disk: no copy of the state of rank 1, 3 is left in memory: rank 1 and its buddy rank 3 "
+                        "were both lost"}, restored
     with store_of(tmp_path) as st:  # invalid in the store from the corruption on (attempt 2 saves it anew)
         assert any(a.attempt == 1 and a.cause.startswith("checkpoint of step 20 invalid: ckpt-corrupt fault: rank 0")
                    for a in st.actions(summary["job_id"]) if a.kind == "ckpt_invalid"), st.actions(summary["job_id"])

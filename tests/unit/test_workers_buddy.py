@@ -59,9 +59,10 @@ def test_the_plan_says_why_memory_cannot_serve():
 def test_snapshot_memory_counts_own_and_peer_copies():
     one = buddy.state_bytes(1000, 4, sharded=True)
     assert one == 3000
-    assert buddy.snapshot_memory(1000, 4, 2, sharded=True, peer=True) == 4 * one
-    assert buddy.snapshot_memory(1000, 4, 1, sharded=True, peer=True) == 2 * one   # no other node
-    assert buddy.snapshot_memory(1000, 4, 2, sharded=False, peer=True) == 2 * 12000
+    # two kept and the one being taken, of its own and of its ward's
+    assert buddy.snapshot_memory(1000, 4, 2, sharded=True, peer=True) == 6 * one
+    assert buddy.snapshot_memory(1000, 4, 1, sharded=True, peer=True) == 3 * one   # no other node
+    assert buddy.snapshot_memory(1000, 4, 2, sharded=False, peer=True) == 3 * 12000
 
 
 def test_peer_holder_keeps_the_newest_copies_and_reuses_buffers():
