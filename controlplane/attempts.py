@@ -4,7 +4,10 @@
 quarantined or downed one; wait, bounded, while too few), restore missing agents, place
 one process per rank (reusing survivors and spares from the pool), start the ranks and
 watch them. While an attempt runs it acts on the incidents that do not end it (agent
-loss, straggler, loss spike: record, maybe quarantine) and supervises the agents. When
+loss, straggler, loss spike: record, maybe quarantine) and supervises the agents. A
+detector's incident gets the response its kind's ``detect.<kind>.action`` asks for
+(``detectors.decide_response``): ``observe`` stores it with what acting would have done
+and the attempt runs on; ``quarantine`` takes its node out at once. When
 one ends it (a rank failed, a detector fired), the attempt is torn down (only what must
 die is killed), the failure attributed, the restart decided (``decide_restart``) and,
 after a backoff when attempts in a row made no step, the next attempt placed; it
@@ -30,19 +33,19 @@ from fleet.controlplane.agent_server import AgentRegistry
 from fleet.controlplane.agent_supervisor import AgentSupervisor
 from fleet.controlplane.chaos_fire import ChaosFirer
 from fleet.controlplane.config import ClusterConfig
-from fleet.controlplane.detectors import Incident, RestartDecision, attribute_failures, attribute_with_trace, \
-    decide_restart
+from fleet.controlplane.detectors import DetectorAction, Incident, RestartDecision, Response, attribute_failures, \
+    attribute_with_trace, decide_response, decide_restart
 from fleet.controlplane.diagnosis import diagnose_attempt
 from fleet.controlplane.errors import UnavailableError
 from fleet.controlplane.job_control import LiveJob
 from fleet.controlplane.lifecycle import AttemptState, JobState, NodeActor
 from fleet.controlplane.logtee import LogTee
 from fleet.controlplane.placement import choose_nodes
-from fleet.controlplane.policy import decide_quarantine
+from fleet.controlplane.policy import QuarantineDecision, decide_quarantine
 from fleet.controlplane.recovery import PendingRecovery, finish_recovery, note_processes
 from fleet.controlplane.runtime import Agents, NodeInfo, Pool, Runtime, Workers
 from fleet.controlplane.sdc import copies_problem
-from fleet.controlplane.store import NODE_QUARANTINED, Store
+from fleet.controlplane.store import NODE_QUARANTINED, IncidentRecord, Store
 from fleet.controlplane.watchdog import Watchdog
 from fleet.proto.kinds import IncidentKind
 from fleet.workers.spec import Launch
@@ -284,12 +287,16 @@ class AttemptRunner:
             except queue.Empty:
                 incident = None
             if incident is not None:
-                if incident.kind.ends_attempt:
+                response = self._respond(incident)
+                if response.observed:
+                    self._observe(incident, attempt, response.reason)
+                elif incident.kind.ends_attempt:
                     log.warning("attempt %d: %s", attempt, incident.evidence)
                     return incident
-                ended = self._side_incident(incident, attempt, group)
-                if ended is not None:
-                    return ended
+                else:
+                    ended = self._side_incident(incident, attempt, group, at_once=response.quarantine_now)
+                    if ended is not None:
+                        return ended
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + 0.5
@@ -312,14 +319,44 @@ class AttemptRunner:
                     recovery = None
                 self._progress("training")
 
-    def _side_incident(self, incident: Incident, attempt: int, group: Workers) -> Incident | None:
+    def _respond(self, incident: Incident) -> Response:
+        """The response ``detect.<kind>.action`` asks for to a detector's incident."""
+        action = self.config.detect.action_of(incident.kind)
+        would = self._would_quarantine(incident) if action is DetectorAction.OBSERVE else \
+            QuarantineDecision(False, "")
+        return decide_response(incident, action, self.job.restarts, self.config.job.max_restarts, would)
+
+    def _would_quarantine(self, incident: Incident) -> QuarantineDecision:
+        """The policy's decision about the incident's node were the incident counted."""
+        if not incident.node:
+            return QuarantineDecision(False, "no node named")
+        policy, now = self.config.policy, time.time()
+        history = self.store.incidents_on_node(incident.node, now - policy.quarantine_window_s)
+        history.append(IncidentRecord(
+            id=0, job_id=self.job.job_id, attempt=self.job.attempt, kind=incident.kind, rank=incident.rank,
+            node=incident.node, detector=incident.detector, evidence=incident.evidence, detected_at=now))
+        return decide_quarantine(now, incident.node, history, policy)
+
+    def _observe(self, incident: Incident, attempt: int, would: str) -> None:
+        """Store an observed incident with what acting on it would have done; nothing else."""
+        self.store.record_incident(self.job.job_id, attempt, incident.kind, incident.detector, incident.evidence,
+                                   rank=incident.rank, node=incident.node, observed=would)
+        log.warning("attempt %d: observed (detect.%s.action: observe), %s: %s", attempt, incident.kind, would,
+                    incident.evidence)
+        self._progress(f"observed {incident.kind} on {incident.node or '?'}: {would}")
+
+    def _side_incident(self, incident: Incident, attempt: int, group: Workers, *,
+                       at_once: bool = False) -> Incident | None:
         """Record an incident that does not end the attempt by itself; returns an
-        incident that ends it after all (its node was quarantined), else None."""
+        incident that ends it after all (its node was quarantined: by the policy, or
+        ``at_once``), else None."""
         self.store.record_incident(self.job.job_id, attempt, incident.kind, incident.detector, incident.evidence,
                                    rank=incident.rank, node=incident.node)
         log.warning("attempt %d: %s", attempt, incident.evidence)
         self._progress(f"{incident.kind} on {incident.node or '?'}: {incident.evidence}")
-        if self._maybe_quarantine(incident.node, attempt) and incident.node in {n.name for n in group.placement}:
+        quarantined = self._quarantine_at_once(incident, attempt) if at_once else \
+            self._maybe_quarantine(incident.node, attempt)
+        if quarantined and incident.node in {n.name for n in group.placement}:
             return Incident(incident.kind, incident.detector, incident.rank, incident.node,
                             f"{incident.node} quarantined; moving off it. {incident.evidence}",
                             rollback_step=incident.rollback_step)
@@ -358,7 +395,10 @@ class AttemptRunner:
             rank=incident.rank, node=incident.node, detected_at=t_detect,
             traceback=incident.traceback, exit_code=incident.exit_code,
         )
-        self._maybe_quarantine(incident.node, attempt)
+        if self.config.detect.action_of(incident.kind) is DetectorAction.QUARANTINE and incident.node:
+            self._quarantine_at_once(incident, attempt)
+        else:
+            self._maybe_quarantine(incident.node, attempt)
         self._pool.release(group.survivors())
         self.firer.forget_caused(incident)  # it fired: never re-arm it
         if incident.kind is not IncidentKind.ERROR:  # an error flushed above
@@ -498,12 +538,23 @@ class AttemptRunner:
         history = self.store.incidents_on_node(node, now - policy.quarantine_window_s)
         decision = decide_quarantine(now, node, history, policy)
         if decision.quarantine:
-            self.store.quarantine_node(node, decision.reason, actor=NodeActor.POLICY, job_id=self.job.job_id)
-            self.store.record_action(self.job.job_id, attempt, "quarantine", decision.reason)
-            self._progress(f"quarantined {node}: {decision.reason}")
-            if self._pool is not None:
-                self._pool.discard_node(node)
+            self._quarantine(node, decision.reason, attempt)
         return decision.quarantine
+
+    def _quarantine_at_once(self, incident: Incident, attempt: int) -> bool:
+        """``detect.<kind>.action: quarantine``: the incident's node leaves placement now."""
+        if not incident.node:
+            return False
+        self._quarantine(incident.node, f"{incident.kind} of rank {incident.rank} on {incident.node} "
+                         f"(detect.{incident.kind}.action: quarantine, at once): {incident.evidence}", attempt)
+        return True
+
+    def _quarantine(self, node: str, reason: str, attempt: int) -> None:
+        self.store.quarantine_node(node, reason, actor=NodeActor.POLICY, job_id=self.job.job_id)
+        self.store.record_action(self.job.job_id, attempt, "quarantine", reason)
+        self._progress(f"quarantined {node}: {reason}")
+        if self._pool is not None:
+            self._pool.discard_node(node)
 
     def _attribute_by_trace(self, incident: Incident, attempt: int) -> Incident:
         """Let the attempt's collective traces name the culprit when no process died."""

@@ -29,20 +29,22 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag, ValidationError, create_model, field_validator, \
-    model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag, ValidationError, ValidationInfo, create_model, \
+    field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from fleet.agent.settings import AGENT_SECTION_FIELDS, GEMM_FIELDS, AgentSettings, check_batch_fits_memory
 from fleet.controlplane import chaos
 from fleet.controlplane.addresses import check_host, check_ray_address, is_wildcard
+from fleet.controlplane.detectors import DETECTOR_KINDS, DetectorAction
 from fleet.controlplane.errors import ConfigError
 from fleet.controlplane.sdc import copies_problem
 from fleet.proto.contract import MESSAGE_HEADROOM_BYTES
 from fleet.proto.kinds import FaultKind, IncidentKind
 from fleet.proto.tls import TlsFiles
 from fleet.workers.env import LAUNCH_VARS
-from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs, WorkerSpec, documented_fields
+from fleet.workers.phases import check_name as check_phase_name
+from fleet.workers.spec import PRESETS, ModelArgs, TrainArgs, WorkerSpec, documented_fields, snapshots_mode
 
 #: The embedded default, used when ``fleet up`` is given no ``--cluster``.
 DEFAULT_CLUSTER_FILE = Path(__file__).resolve().parent.parent / "examples" / "local.yaml"
@@ -415,6 +417,13 @@ class JobConfig(create_model("_JobRecipe", __base__=_JobPlacement, **_embedded(T
         "dead rank without starting a process. For a job.entrypoint program at least ranks_per_node are kept: "
         "its restart replaces every rank.",
     )
+    snapshot_memory_max_mb: float = Field(
+        0.0, ge=0, le=1e9,
+        description="Budget, MiB of host memory per rank, for in-memory snapshots (job.memory_snapshots): "
+        "3 copies of the rank's own state (float32 parameters and AdamW's two moments, its shard when "
+        "sharded: the 2 kept and the one being taken) and, with peer copies, 3 of its ward's. A job whose "
+        "estimate exceeds it is refused at `fleet up` (0 = no budget).",
+    )
     capacity_wait_s: float = Field(
         300.0, ge=0, le=86400,
         description="Longest wait, before an attempt, for enough healthy (not quarantined) nodes; "
@@ -441,6 +450,32 @@ class JobConfig(create_model("_JobRecipe", __base__=_JobPlacement, **_embedded(T
     def train_args(self) -> TrainArgs:
         """The TrainArgs this section describes."""
         return TrainArgs(**self.model_dump(include=set(_owned_fields(TrainArgs))))
+
+    _snapshots_from_bool = field_validator("memory_snapshots", mode="before")(
+        classmethod(lambda cls, v: snapshots_mode(v)))
+
+    def _check_snapshots(self) -> None:
+        """Peer copies need a buddy on another node, and every copy must fit the budget."""
+        if self.user_program is not None:
+            return
+        sharded = TrainArgs(data_parallel=self.data_parallel, ep_size=self.ep_size).sharded
+        peer = self.memory_snapshots == "peer"
+        if peer and sharded and self.nodes == 1 and "memory_snapshots" in self.model_fields_set:
+            raise ValueError(
+                "memory_snapshots peer keeps a copy of each rank's shard on a buddy rank on another node, and "
+                "this job has 1 node (job.nodes): set job.memory_snapshots to local, or use 2+ nodes")
+        if self.snapshot_memory_max_mb > 0 and self.memory_snapshots != "off":
+            from fleet.workers import buddy, flops  # builds the model on the meta device: only with a budget
+
+            total, _ = flops.param_counts(self.model.args())
+            need = buddy.snapshot_memory(total, self.world_size, self.nodes, sharded, peer)
+            if need > self.snapshot_memory_max_mb * 2**20:
+                copies = "own and peer copies" if peer and sharded and self.nodes > 1 else "own copies"
+                raise ValueError(
+                    f"memory_snapshots {self.memory_snapshots} needs about {need / 2**20:,.1f} MiB per rank "
+                    f"({copies} of {buddy.state_bytes(total, self.world_size, sharded) / 2**20:,.1f} MiB of "
+                    f"state), above job.snapshot_memory_max_mb ({self.snapshot_memory_max_mb:g}): raise the "
+                    "budget, or set job.memory_snapshots to local or off")
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
@@ -470,6 +505,7 @@ class JobConfig(create_model("_JobRecipe", __base__=_JobPlacement, **_embedded(T
             )
         if self.min_nodes > self.nodes:
             raise ValueError(f"min_nodes ({self.min_nodes}) must be <= nodes ({self.nodes})")
+        self._check_snapshots()
         for n in range(max(self.min_nodes, 1), self.nodes):
             if self.min_nodes and (n * self.ranks_per_node) % self.ep_size:
                 raise ValueError(
@@ -575,6 +611,25 @@ class ChaosConfig(_Section):
         return [f.order() for f in self.faults]
 
 
+class DetectorSettings(_Section):
+    """What the controller does when this detector fires."""
+
+    action: DetectorAction = Field(
+        DetectorAction.RESTART,
+        description="observe: store the incident, its evidence and what `restart` would have done "
+        "(`fleet report` shows \"would restart ...\", \"would quarantine node-1 ...\"), and nothing else: "
+        "no restart, no quarantine, not counted towards `policy.quarantine_after_incidents`; "
+        "restart: as without this key (hang, desync, nan end the attempt and restart it; straggler, "
+        "loss_spike, agent_loss, sdc are recorded and the attempt goes on; each counts towards "
+        "quarantining its node); quarantine: quarantine the incident's node at once and restart the "
+        "attempt off it. An attempt whose ranks fail by themselves is restarted whatever this says.",
+    )
+
+
+def _detector(kind: str, what: str) -> Any:
+    return Field(default_factory=DetectorSettings, description=f"The {kind} detector: {what}.")
+
+
 class DetectConfig(_Section):
     """Live failure detection while an attempt runs (the controller's watchdog)."""
 
@@ -616,6 +671,69 @@ class DetectConfig(_Section):
         20, ge=1, le=100_000,
         description="Finite losses the spike median is taken over; no spike is called before there are this many.",
     )
+
+    phase_timeouts_s: dict[str, Annotated[float, Field(gt=0, le=30 * 86400)]] = Field(
+        default_factory=dict,
+        description="Hang threshold, seconds, while a rank is in a named phase, e.g. `{checkpointing: 600, "
+        "eval: 300, my_section: 120}`: `checkpointing` is the built-in trainer's checkpoint saves and "
+        "commits, other names are a program's own `with fleet.phase(\"eval\"):` blocks. While any rank is "
+        "in such a phase the longest of their timeouts replaces the step-based threshold (never shortens "
+        "it); outside a named phase, or in one not listed, the usual threshold applies. Each must be "
+        ">= hang_floor_s.",
+    )
+    hang: DetectorSettings = _detector("hang", "no rank progressed past the hang threshold (or the start-up "
+                                       "timeout), confirmed by the flight recorder")
+    desync: DetectorSettings = _detector("desync", "ranks stalled in different collectives")
+    straggler: DetectorSettings = _detector("straggler", "the same rank entered collectives last, step after step")
+    nan: DetectorSettings = _detector("nan", "a program's reported loss is not finite (the built-in trainer "
+                                      "raises on one itself)")
+    loss_spike: DetectorSettings = _detector("loss_spike", "a loss far above its recent median (names no node: "
+                                             "quarantine is refused)")
+    agent_loss: DetectorSettings = _detector("agent_loss", "a node's agent silent past "
+                                             "controller.heartbeat_timeout_s")
+    sdc: DetectorSettings = _detector("sdc", "a transient or ambiguous silent-data-corruption verdict")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_detectors(cls, data: Any) -> Any:
+        # A mapping under an unknown key is a detector section: say which kinds exist.
+        if isinstance(data, dict):
+            known = ", ".join(DETECTOR_KINDS)
+            for key, value in data.items():
+                if key in cls.model_fields or not isinstance(value, dict):
+                    continue
+                if key in set(IncidentKind):
+                    raise ValueError(f"{key}: not a detector's incident (the ranks or the "
+                                     f"controller end the attempt with it themselves); detectors: {known}")
+                raise ValueError(f"{_key_text(key)}: unknown detector kind; known: {known}")
+        return data
+
+    @field_validator("loss_spike")
+    @classmethod
+    def _spike_has_no_node(cls, settings: DetectorSettings) -> DetectorSettings:
+        if settings.action is DetectorAction.QUARANTINE:
+            raise ValueError("action quarantine needs a node, and a loss spike names none (the loss is the "
+                             "global mean); use observe or restart")
+        return settings
+
+    @field_validator("phase_timeouts_s")
+    @classmethod
+    def _phases_above_floor(cls, timeouts: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+        floor = info.data.get("hang_floor_s")
+        for name, timeout in timeouts.items():
+            try:
+                check_phase_name(name)
+            except ValueError as exc:
+                raise ValueError(str(exc)) from None
+            if floor is not None and timeout < floor:
+                raise ValueError(f"{name}: {timeout:g} s is shorter than hang_floor_s ({floor:g} s), the hang "
+                                 "threshold it replaces during the phase")
+        return timeouts
+
+    def action_of(self, kind: IncidentKind) -> DetectorAction:
+        """``detect.<kind>.action`` (``restart`` for a kind that is not a detector's)."""
+        settings = getattr(self, kind.value, None) if kind in DETECTOR_KINDS else None
+        return settings.action if settings is not None else DetectorAction.RESTART
 
     @model_validator(mode="after")
     def _interval_below_floor(self) -> DetectConfig:

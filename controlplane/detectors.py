@@ -13,10 +13,18 @@ persistent one ends the attempt through the ranks' own ``SdcError``, a transient
 ambiguous one is a verdict row the watchdog reads). Every incident names a rank (-1 if
 none), its node ("" if none), the detector that fired and its evidence; an SDC incident
 also the step the next attempt may restore at most (``rollback_step``).
+
+Responses: what the controller does about an incident a detector raised while the
+attempt runs is the kind's ``DetectorAction`` (``detect.<kind>.action``):
+``restart`` (acted on as always), ``quarantine`` (its node at once) or ``observe``
+(stored with what acting would have done, ``observed_outcome``; nothing else).
+Phases: a rank inside a named phase (checkpointing, eval, a program's own) is not
+hung until that phase's timeout passes (``phase_hang_threshold``).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
+from fleet.controlplane.policy import QuarantineDecision
 from fleet.controlplane.sdc import PERSISTENT_DETECTOR, SdcFailure, SdcVerdict, detector_of
 from fleet.proto.kinds import IncidentKind
 
@@ -170,6 +179,24 @@ def hang_threshold_s(step_times_s: Sequence[float], factor: float, floor_s: floa
     times = np.fromiter(step_times_s, dtype=np.float64, count=len(step_times_s))
     times = times[np.isfinite(times) & (times >= 0)]  # a large job keeps ~100k of them: no Python loop
     return max(factor * float(np.median(times)), floor_s) if len(times) else floor_s
+
+
+def phase_hang_threshold(threshold_s: float, phases: Mapping[int, str],
+                         timeouts_s: Mapping[str, float]) -> tuple[float, str]:
+    """The hang threshold while ranks are in named phases, seconds, and the note the
+    evidence carries ("" when no phase changed it).
+
+    ``phases`` maps rank -> the phase it is in ("" or absent: none); ``timeouts_s`` is
+    ``detect.phase_timeouts_s``. In a synchronous job one rank in a long phase (rank 0
+    writing a checkpoint) holds up the others, so the longest timeout of any rank's phase
+    applies, never less than ``threshold_s``; a phase without a timeout changes nothing."""
+    timed = [(timeouts_s[p], r, p) for r, p in phases.items() if p and p in timeouts_s]
+    if not timed:
+        return threshold_s, ""
+    timeout, rank, phase = max(timed, key=lambda t: (t[0], -t[1]))
+    if timeout <= threshold_s:
+        return threshold_s, ""
+    return timeout, f"rank {rank} is in phase {phase!r} (detect.phase_timeouts_s.{phase}: {timeout:g} s)"
 
 
 def collective_hang_threshold_s(gaps_s: Iterable[float], factor: float, floor_s: float) -> float:
@@ -383,3 +410,69 @@ def decide_restart(restarts_done: int, max_restarts: int, incident: Incident) ->
         False, f"{incident.kind} of rank {incident.rank} on {incident.node}: "
         f"all {max_restarts} restarts used; giving up",
     )
+
+
+# -- responses ------------------------------------------------------------------------------
+
+class DetectorAction(enum.StrEnum):
+    """What the controller does about an incident a detector raised (``detect.<kind>.action``)."""
+
+    #: store the incident and what acting on it would have done; nothing else
+    OBSERVE = "observe"
+    #: act as fleet always has: a kind that ends the attempt restarts it, the others are
+    #: recorded; each counts towards quarantining its node (``policy``)
+    RESTART = "restart"
+    #: quarantine the incident's node at once, then restart the attempt off it
+    QUARANTINE = "quarantine"
+
+
+#: The incident kinds a detector raises while the attempt runs, whose response
+#: ``detect.<kind>.action`` chooses. Not crash, error, node_loss or controller_crash: a
+#: rank that died or raised (or a lost controller) ends the attempt by itself.
+DETECTOR_KINDS = (IncidentKind.HANG, IncidentKind.DESYNC, IncidentKind.STRAGGLER, IncidentKind.NAN,
+                  IncidentKind.LOSS_SPIKE, IncidentKind.AGENT_LOSS, IncidentKind.SDC)
+#: Detector kinds whose incidents never name a node (the loss is the global mean), so
+#: ``quarantine`` has nothing to act on.
+NO_NODE_KINDS = frozenset({IncidentKind.LOSS_SPIKE})
+
+
+@dataclass(frozen=True)
+class Response:
+    """What the controller does about one detector incident while its attempt runs."""
+
+    observed: bool        # store it with ``reason`` (what acting would have done); nothing else
+    quarantine_now: bool  # quarantine the incident's node without counting incidents
+    ends_attempt: bool    # tear the attempt down; the restart decision follows
+    reason: str
+
+
+def decide_response(incident: Incident, action: DetectorAction, restarts_done: int, max_restarts: int,
+                    would_quarantine: QuarantineDecision) -> Response:
+    """The response to a detector's ``incident`` under ``action``.
+
+    ``restarts_done`` of ``max_restarts``: the job's restart budget; ``would_quarantine``:
+    the policy's decision about the incident's node, counting this incident. ``restart``:
+    the kind's usual course (a side incident ends the attempt only when the policy
+    quarantines the node it runs on). ``quarantine`` without a node to blame is ``restart``."""
+    if action is DetectorAction.OBSERVE:
+        return Response(True, False, False, observed_outcome(incident, restarts_done, max_restarts,
+                                                             would_quarantine))
+    if action is DetectorAction.QUARANTINE and incident.node:
+        return Response(False, True, True, f"{incident.kind} of rank {incident.rank} on {incident.node}: "
+                        f"detect.{incident.kind}.action is quarantine")
+    return Response(False, False, incident.kind.ends_attempt, would_quarantine.reason)
+
+
+def observed_outcome(incident: Incident, restarts_done: int, max_restarts: int,
+                     would_quarantine: QuarantineDecision) -> str:
+    """What ``restart`` would have done about an observed incident, as stored and shown
+    by ``fleet report``: "would restart the attempt (...)", "would quarantine node-1 (...)
+    and restart the attempt (...)", or for a side incident "would record it and go on"."""
+    restart = (f"restart the attempt (restart {restarts_done + 1} of {max_restarts})"
+               if restarts_done < max_restarts else f"end the job (all {max_restarts} restarts used)")
+    if would_quarantine.quarantine and incident.node:
+        return f"would quarantine {incident.node} ({would_quarantine.reason}) and {restart}"
+    if incident.kind.ends_attempt:
+        return f"would {restart}"
+    counted = f" ({would_quarantine.reason})" if incident.node else ""
+    return f"would record it and go on{counted}"

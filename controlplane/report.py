@@ -34,7 +34,11 @@ None when there was none: the restart's wall time, with or without steps), and, 
 controller timed the restart, ``phases`` (detect, teardown, place, process-group init,
 restore, first step: seconds), ``restored_step``, ``restored_from`` and ``steps_lost``.
 Incidents acted on while the attempt ran on (agent loss, straggler, loss spike) have
-``ended_attempt`` false and no recovery.
+``ended_attempt`` false and no recovery. An incident only observed
+(``detect.<kind>.action: observe``) has ``observed`` true and ``would``, what acting on
+it would have done ("would restart the attempt (restart 1 of 3)", "would quarantine
+node-1 (...) and ..."); it never ended its attempt. Acted-on incidents have ``observed``
+false and ``would`` "".
 
 ``sdc`` sums up its silent-data-corruption checks and incidents (``controlplane.sdc.sdc_section``):
 fingerprint checks run, mismatches, triggers, replays, every triage's verdict, and per SDC
@@ -132,7 +136,7 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
     recovery_of = {r.incident_id: r for r in recoveries if r.incident_id is not None}
     by_attempt: dict[int, IncidentRecord] = {}
     for i in incidents:
-        if i.attempt not in failed:
+        if i.attempt not in failed or i.observed:
             continue
         have = by_attempt.get(i.attempt)
         if have is None or have.id not in recovery_of and (i.id in recovery_of or IncidentKind(i.kind).ends_attempt):
@@ -144,7 +148,8 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         ended = by_attempt.get(i.attempt) is i
         base = {"attempt": i.attempt, "kind": i.kind, "rank": i.rank, "node": i.node,
                 "detector": i.detector, "evidence": i.evidence, "detected_at": i.detected_at,
-                "exit_code": i.exit_code, "traceback": i.traceback}
+                "exit_code": i.exit_code, "traceback": i.traceback,
+                "observed": bool(i.observed), "would": i.observed}
         seen = None if progress is None else progress.get(i.id)
         after = None if seen is None else round(max(i.detected_at - seen, 0.0), 3)
         if not ended:

@@ -11,6 +11,9 @@ applies the pure decisions of ``controlplane.detectors`` to what it has seen:
     its collectives alone, once a few gaps between each rank's consecutive collective
     enters are known: no rank entered or completed a collective for ``hang_factor`` x
     the largest recent gap (or ``hang_floor_s``), then the same confirmation.
+    While a rank is in a named phase (a TRAINING status's ``phase``: checkpointing, eval,
+    a program's ``fleet.phase``) listed in ``phase_timeouts_s``, the threshold is at
+    least that phase's timeout (``detectors.phase_hang_threshold``).
   * nan (``nan_from_steps`` only): a reported step whose loss is not finite.
   * straggler: the same rank entered each step's collectives last, by more than
     ``straggler_lag_s``, in ``straggler_steps`` consecutive steps.
@@ -181,6 +184,7 @@ class _Watched:
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))
     loss_step: int = -1                       # newest step whose loss was judged
     failed: bool = False                      # a rank reported FAILED
+    phases: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (since ns, phase)
     finished: bool = False                    # a rank reported FINISHED
     # straggler: per step, per (group, seq): (group size, rank -> enter_ns)
     arrivals: dict[int, dict[tuple[str, int], tuple[int, dict[int, int]]]] = field(default_factory=dict)
@@ -387,6 +391,8 @@ class Watchdog:
                     w.failed = True
                 elif st.state == "FINISHED":
                     w.finished = True
+                elif st.state == "TRAINING" and st.time_ns >= w.phases.get(st.rank, (0, ""))[0]:
+                    w.phases[st.rank] = (st.time_ns, st.phase)
         if batch.collectives:
             started, fresh = self._collectives(w, batch.collective_rows())
             # Without steps, completions are the progress judged, so their delivery counts too.
@@ -545,12 +551,21 @@ class Watchdog:
         if now >= w.threshold_due:  # a median over every rank's recent steps: not every tick
             w.threshold_s = detectors.hang_threshold_s(w.step_times, cfg.hang_factor, cfg.hang_floor_s)
             w.threshold_due = now + THRESHOLD_EVERY_S
-        threshold = w.threshold_s
+        threshold, note = self._phase_threshold(w, w.threshold_s)
         if stalled <= threshold:
             if stalled > threshold / 2:
                 self._prefetch(w, horizon_ns, threshold / 2)
             return None
-        return "stall", stalled, threshold, horizon_ns, self._progress(w, now_ns), None
+        why = f"no rank finished a step for {stalled:.1f} s (hang threshold {threshold:.1f} s: {note})" \
+            if note else None
+        return "stall", stalled, threshold, horizon_ns, self._progress(w, now_ns), why
+
+    def _phase_threshold(self, w: _Watched, threshold_s: float) -> tuple[float, str]:
+        """The hang threshold given the phases the ranks are in, and the evidence's note."""
+        if not w.phases or not self._cfg.phase_timeouts_s:
+            return threshold_s, ""
+        phases = {rank: phase for rank, (_, phase) in w.phases.items()}
+        return detectors.phase_hang_threshold(threshold_s, phases, self._cfg.phase_timeouts_s)
 
     def _prefetch(self, w: _Watched, horizon_ns: int, settle_s: float) -> None:
         """A large job stalled for half its hang threshold: ask for the raw entries of the
@@ -573,10 +588,12 @@ class Watchdog:
         cfg = self._cfg
         gaps = w.gaps.values()
         stalled = (horizon_ns - w.coll_progress_ns) / 1e9
-        threshold = detectors.collective_hang_threshold_s(gaps, cfg.hang_factor, cfg.hang_floor_s)
+        learned = detectors.collective_hang_threshold_s(gaps, cfg.hang_factor, cfg.hang_floor_s)
+        threshold, note = self._phase_threshold(w, learned)
         if stalled <= threshold:
             return None
-        why = detectors.collective_stall_reason(stalled, threshold, max(gaps), cfg.hang_factor)
+        why = (f"no collective entered or completed for {stalled:.1f} s, threshold {threshold:.1f} s: {note}"
+               if note else detectors.collective_stall_reason(stalled, threshold, max(gaps), cfg.hang_factor))
         return "stall", stalled, threshold, horizon_ns, self._progress(w, now_ns), why
 
     @staticmethod

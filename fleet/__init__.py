@@ -13,6 +13,9 @@ The public API for a training script of your own:
 - :func:`step` (``fleet.workers.session.step``): ``fleet.step(step, loss=..., tokens=...)``
   after each training step of a program fleet launched (``job.entrypoint``, ``fleet
   run``) feeds the step-based detectors and ``fleet report``; a no-op anywhere else;
+- :func:`phase` (``fleet.workers.session.phase``): ``with fleet.phase("eval"):`` tells
+  the controller the rank is in a named phase, whose hang threshold is
+  ``detect.phase_timeouts_s.eval``; a no-op anywhere else;
 - :func:`record_collectives` (``fleet.workers.flight.record_collectives``): fleet's flight
   recorder around a plain torchrun script fleet did not launch.
 
@@ -25,16 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fleet.workers.flight import FlightHandle, record_collectives
-    from fleet.workers.session import step
+    from fleet.workers.session import phase, step
 
-__all__ = ["FlightHandle", "record_collectives", "step"]
+__all__ = ["FlightHandle", "phase", "record_collectives", "step"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "step":
+    if name in ("step", "phase"):
         from fleet.workers import session
 
-        return session.step
+        return getattr(session, name)
     if name in __all__:
         from fleet.workers import flight
 

@@ -6,11 +6,13 @@ agent, PyTorch's native flight recorder read by a ``NativeFlightTail`` (every
 collective of every process group, also while the program is stuck in one), and a
 watch that reports ``PG_READY`` once the program's default process group exists.
 
-``fleet.step(step, loss=..., tokens=...)`` is the one call a program may add: it reports
+``fleet.step(step, loss=..., tokens=...)`` is the call a program may add: it reports
 a ``StepEvent`` (so the step-based detectors, NaN, loss spike, straggler and ETTR by
 step, work), stamps later collectives with the next step, and fires faults armed for a
-step (``fleet inject-fault --at-step``). Without a session (plain ``python`` or
-torchrun without fleet) it does nothing and costs a global lookup.
+step (``fleet inject-fault --at-step``). ``with fleet.phase("eval"):`` reports a named
+phase (``workers/phases.py``) around a long stretch, so that the hang threshold is that
+phase's ``detect.phase_timeouts_s``. Without a session (plain ``python`` or torchrun
+without fleet) both do nothing and cost a global lookup.
 
 Faults a session carries out: ``crash`` (SIGKILL now, or at a step), ``hang`` (at a
 step: the training thread stops inside ``fleet.step``; at once: the process is stopped
@@ -27,15 +29,18 @@ import os
 import signal
 import socket
 import subprocess
+import contextlib
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 from fleet.proto import events_pb2
 from fleet.proto.kinds import FaultKind
 from fleet.workers import native_fr
 from fleet.workers.faults import FaultHooks
 from fleet.workers.native_fr import NativeFlightTail
+from fleet.workers.phases import Phases, check_name
 from fleet.workers.reporter import Reporter
 from fleet.workers.spec import WorkerSpec
 
@@ -63,6 +68,23 @@ def step(step: int, loss: float | None = None, tokens: int | None = None) -> Non
         session.step(step, loss=loss, tokens=tokens)
 
 
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Mark the block as this rank's phase ``name`` (``with fleet.phase("eval"):``).
+
+    While any rank is in it, the controller calls no hang before
+    ``detect.phase_timeouts_s.<name>`` seconds (a name not listed there changes nothing).
+    ``name``: 1-64 letters, digits, ``_ . -`` (ValueError otherwise, with or without fleet).
+    Phases nest; the innermost counts. A no-op outside fleet."""
+    check_name(name)
+    session = _current
+    if session is None:
+        yield
+        return
+    with session.phases.phase(name):
+        yield
+
+
 class Session:
     """Tracing and the step API for one rank of a program fleet launched."""
 
@@ -72,6 +94,7 @@ class Session:
         self.spec = spec
         self.hooks = FaultHooks(spec.rank)
         self.reporter = Reporter(spec, self._on_command)
+        self.phases = Phases(spec.job_id, spec.attempt, spec.rank, self.reporter.emit)
         self.tail: NativeFlightTail | None = None
         if spec.fr_buffer_entries and native_fr.available():
             self.tail = NativeFlightTail(spec.job_id, spec.attempt, spec.rank, self.reporter.emit,

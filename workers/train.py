@@ -8,6 +8,9 @@ bit-identical.
 Reported to the agent, in order: WorkerStatus STARTING -> PG_READY -> RESTORED ->
 TRAINING, then per step a StepEvent (and the flight recorder's collectives), a
 CheckpointEvent from rank 0 per committed checkpoint, and finally FINISHED or FAILED.
+A step that saves or commits a checkpoint, and the final save, run in the phase
+``checkpointing`` (workers/phases.py: a TRAINING status as it begins and ends), so the
+controller's hang threshold there is ``detect.phase_timeouts_s.checkpointing``.
 
 Invariants:
   * Every rank agrees on the restored step: rank 0 picks it and broadcasts it.
@@ -32,6 +35,7 @@ import time
 import typing
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 
 import pydantic
@@ -46,6 +50,7 @@ from fleet.workers.env import apply_worker_env
 from fleet.workers.faults import FaultHooks
 from fleet.workers.native_fr import NativeFlightTail
 from fleet.workers.peer_links import PeerLinks
+from fleet.workers.phases import CHECKPOINTING, Phases
 from fleet.workers.recorder import FlightRecorder
 from fleet.workers.rendezvous import rendezvous_store
 from fleet.workers.reporter import Reporter
@@ -182,6 +187,7 @@ def _train(
     links = links if links is not None else [None]
     train = spec.train
     recorder = FlightRecorder(spec.job_id, spec.attempt, spec.rank, reporter.emit, tail=tail)
+    phases = Phases(spec.job_id, spec.attempt, spec.rank, reporter.emit)
     device = pick_device(spec.rank)
 
     t0 = time.perf_counter()
@@ -220,7 +226,8 @@ def _train(
                 before_step(step)
             hooks.before_step(step)
             recorder.set_step(step)
-            result = trainer.step(step, hooks.stop_requested)
+            with phases.phase(CHECKPOINTING) if checkpoints_at(train, step) else nullcontext():
+                result = trainer.step(step, hooks.stop_requested)
             emit.step(result, trainer)
             if on_step is not None:
                 on_step(result)
@@ -232,7 +239,8 @@ def _train(
             if stopped:
                 log.info("rank %d: stopping after step %d by command", spec.rank, step)
                 break
-        final = trainer.finish_checkpoints()
+        with phases.phase(CHECKPOINTING):
+            final = trainer.finish_checkpoints()
         if final is not None and spec.rank == 0:
             emit.checkpoint(*final)
         train_s = time.perf_counter() - t_train
@@ -252,6 +260,14 @@ def _train(
         "sdc": trainer.sdc_log, "sdc_check_s": trainer.sdc_check_s, "sdc_triage_s": trainer.sdc_triage_s,
         "sdc_digest": trainer.final_digest(),
     }
+
+
+def checkpoints_at(train: TrainArgs, step: int) -> bool:
+    """Whether ``step`` saves a checkpoint (and commits the one before, waiting for it):
+    every ``checkpoint_interval`` steps and at the last step, as ``TrainArgs`` documents.
+    A stop's checkpoint is not foreseen (the stop is agreed inside the step)."""
+    interval = train.checkpoint_interval
+    return interval > 0 and (step % interval == 0 or step == train.steps)
 
 
 def _flush(reporter: Reporter, timeout_s: float) -> None:

@@ -25,7 +25,7 @@ def report(
 ) -> None:
     """ETTR (productive step time / wall time), lost time by category, wall time by
     attempt, incidents with their detection and recovery times, exit codes and
-    tracebacks, silent data corruption (checks, triage, verdict, rollback point),
+    tracebacks, what observed incidents would have done (detect.<kind>.action: observe), silent data corruption (checks, triage, verdict, rollback point),
     restarts and quarantines."""
     from fleet.controlplane.report import load_report
 
@@ -53,11 +53,15 @@ def report(
     if out["incidents"]:
         print_table("incidents", ["attempt", "kind", "rank", "node", "exit", "detected after s", "recovery s",
                                   "steps lost", "restored from"],
-                    [[i["attempt"], i["kind"], i["rank"], i["node"], _dash(i["exit_code"]),
+                    [[i["attempt"], i["kind"] + (" (observed)" if i["observed"] else ""), i["rank"], i["node"],
+                      _dash(i["exit_code"]),
                       _dash(i["detected_after_s"]), _dash(i["recovery_s"]), _dash(i.get("steps_lost")),
                       i.get("restored_from") or "-"]
                      for i in out["incidents"]])
         for i in out["incidents"]:
+            if i["observed"]:
+                console.print(f"[cyan]observed[/] attempt {i['attempt']}, {i['kind']} of rank {i['rank']} on "
+                              f"{i['node'] or 'no node'}: {i['would']}; {i['evidence']}", highlight=False)
             if i["exit_code"] is not None or i["traceback"]:
                 how = exit_text(i["exit_code"]) or "no exit code"
                 console.print(f"[red]attempt {i['attempt']}[/], {i['kind']} of rank {i['rank']} on "

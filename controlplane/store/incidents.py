@@ -5,6 +5,9 @@ Invariants:
 - Incident kinds are ``IncidentKind`` values: ``record_incident`` refuses any other.
 - An incident's traceback reads back as ``""`` when none was stored (NULL in the table,
   as in every incident from before migration 0005), its exit code as ``None``.
+- An observed incident (``detect.<kind>.action: observe``) keeps what acting on it would
+  have done in ``observed``; ``incidents_on_node`` leaves it out, so it never counts
+  towards quarantining its node.
 - Action kinds are ``ACTION_KINDS``: ``record_action`` refuses any other.
 - A checkpoint is invalidated together with the ``ckpt_invalid`` action saying why
   (``ingest.invalidate_checkpoint``), in one transaction.
@@ -39,13 +42,14 @@ class IncidentMethods(StoreBase):
     def record_incident(self, job_id: str, attempt: int, kind: IncidentKind | str, detector: str,
                         evidence: str, rank: int | None = None, node: str | None = None,
                         detected_at: float | None = None, traceback: str = "",
-                        exit_code: int | None = None) -> int:
+                        exit_code: int | None = None, observed: str = "") -> int:
         """Store a detected incident (``detected_at``: Unix time, default now); return its id.
 
         ``traceback``: the failed program's traceback (its error file, else the tail of its
         stderr), kept to its last ``TRACEBACK_MAX_CHARS``; ``exit_code``: its exit status,
-        negative when a signal killed it. ``ValueError`` (nothing written) when ``kind`` is
-        not an ``IncidentKind``."""
+        negative when a signal killed it; ``observed``: what acting on it would have done,
+        for an incident only observed ("" = it was acted on). ``ValueError`` (nothing
+        written) when ``kind`` is not an ``IncidentKind``."""
         try:
             kind = IncidentKind(kind)
         except ValueError:
@@ -55,7 +59,8 @@ class IncidentMethods(StoreBase):
                 row = Incident(job_id=job_id, attempt=attempt, kind=kind.value, rank=rank, node=node,
                                detector=detector, evidence=evidence,
                                detected_at=time.time() if detected_at is None else detected_at,
-                               traceback=traceback[-TRACEBACK_MAX_CHARS:] or None, exit_code=exit_code)
+                               traceback=traceback[-TRACEBACK_MAX_CHARS:] or None, exit_code=exit_code,
+                               observed=observed or None)
                 s.add(row)
                 s.flush()
                 return row.id
@@ -72,12 +77,15 @@ class IncidentMethods(StoreBase):
     def _incident_record(r: Incident) -> IncidentRecord:
         return IncidentRecord(id=r.id, job_id=r.job_id, attempt=r.attempt, kind=IncidentKind(r.kind), rank=r.rank,
                               node=r.node, detector=r.detector, evidence=r.evidence,
-                              detected_at=r.detected_at, traceback=r.traceback or "", exit_code=r.exit_code)
+                              detected_at=r.detected_at, traceback=r.traceback or "", exit_code=r.exit_code,
+                              observed=r.observed or "")
 
     def incidents_on_node(self, node: str, since: float) -> list[IncidentRecord]:
-        """Incidents blamed on ``node`` (any job) detected at or after ``since``, oldest first."""
+        """Incidents blamed on ``node`` (any job) detected at or after ``since``, oldest first;
+        not the observed ones (nothing was done about them)."""
         with self._tx(write=False) as s:
-            rows = s.scalars(select(Incident).where(Incident.node == node, Incident.detected_at >= since)
+            rows = s.scalars(select(Incident).where(Incident.node == node, Incident.detected_at >= since,
+                                                    Incident.observed.is_(None))
                              .order_by(Incident.detected_at, Incident.id)).all()
             return [self._incident_record(r) for r in rows]
 

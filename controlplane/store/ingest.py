@@ -56,6 +56,7 @@ from fleet.controlplane.store.engine import upsert
 from fleet.controlplane.store.schema import (
     JOB_ID_LEN,
     NAME_LEN,
+    PHASE_LEN,
     Action,
     Attempt,
     Checkpoint,
@@ -128,7 +129,7 @@ class PreparedBatch:
     def status_rows(self) -> Iterator[StatusRow]:
         """The batch's worker statuses."""
         for s in self.statuses:
-            yield StatusRow(s["job_id"], s["attempt"], s["rank"], s["state"])
+            yield StatusRow(s["job_id"], s["attempt"], s["rank"], s["state"], s["time_ns"], s["phase"])
 
 
 # -- collectives ----------------------------------------------------------------------------
@@ -378,6 +379,14 @@ STEP_COLUMNS = ("job_id", "attempt", "rank", "step", "loss", "step_time_s", "tok
                 "grad_norm", "lr", "mfu", "aux_loss", "imbalanced", "expert_load")
 
 
+def _phase_name(phase: str) -> str:
+    """A status's phase name, refused when it cannot be one (the worker checks names)."""
+    if len(phase) > PHASE_LEN or not phase.isprintable():
+        raise InvalidBatch(f"status.phase: {phase[:80]!r} is not a phase name (at most {PHASE_LEN} "
+                           "printable characters)")
+    return phase
+
+
 def _step_row(ev: events_pb2.StepEvent) -> tuple:
     loads = ev.expert_load
     return (
@@ -429,7 +438,7 @@ def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
                     "job_id": ev.job_id, "attempt": ev.attempt, "rank": ev.rank,
                     "state": _STATUS_NAMES.Name(ev.state), "time_ns": ev.time_ns, "pid": ev.pid,
                     "hostname": ev.hostname, "restored_step": ev.restored_step,
-                    "detail": ev.detail, "phase_s": ev.phase_s,
+                    "detail": ev.detail, "phase_s": ev.phase_s, "phase": _phase_name(ev.phase),
                 })
                 if ev.state == _RESTORED:
                     out.restored.append((ev.job_id, ev.attempt, ev.restored_step))

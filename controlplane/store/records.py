@@ -168,6 +168,7 @@ class WorkerStatusRecord:
     restored_step: int
     detail: str
     phase_s: float
+    phase: str = ""  # with TRAINING: the named phase the rank entered ("" = none)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,8 @@ class IncidentRecord:
     detected_at: float
     traceback: str = ""  # the failed program's traceback or stderr tail; "" when none
     exit_code: int | None = None  # the failed process's exit status; negative: killed by that signal
+    #: with detect.<kind>.action observe: what acting on it would have done; "" = it was acted on
+    observed: str = ""
 
 
 @dataclass(frozen=True)
@@ -321,3 +324,5 @@ class StatusRow(NamedTuple):
     attempt: int
     rank: int
     state: str  # a WorkerStatus.State name, e.g. "FAILED"
+    time_ns: int = 0
+    phase: str = ""  # with TRAINING: the named phase the rank is in from time_ns on ("" = none)

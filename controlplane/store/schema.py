@@ -43,6 +43,7 @@ BigId = BigInteger().with_variant(Integer, "sqlite")
 JOB_ID_LEN = 64
 NAME_LEN = 255
 STATE_LEN = 32
+PHASE_LEN = 64  # a phase name (workers/phases.py NAME_PATTERN)
 
 
 class Base(DeclarativeBase):
@@ -249,6 +250,8 @@ class WorkerStatusRow(Base):
     restored_step: Mapped[int] = mapped_column(BigInteger)
     detail: Mapped[str] = mapped_column(Text)
     phase_s: Mapped[float] = mapped_column(Float)
+    # the named phase the rank entered (checkpointing, eval, ...; "" = none); NULL before 0007
+    phase: Mapped[str | None] = mapped_column(String(PHASE_LEN))
 
 
 class HealthSample(Base):
@@ -281,6 +284,9 @@ class Incident(Base):
     # (negative: killed by that signal); NULL when there was none, as in rows from before 0005.
     traceback: Mapped[str | None] = mapped_column(Text)
     exit_code: Mapped[int | None] = mapped_column(Integer)
+    # detect.<kind>.action observe: what acting on it would have done ("would restart ...");
+    # NULL when it was acted on, as every incident from before 0007 was.
+    observed: Mapped[str | None] = mapped_column(Text)
 
 
 class Recovery(Base):

@@ -279,7 +279,7 @@ class TelemetryMethods(StoreBase):
             return [WorkerStatusRecord(job_id=r.job_id, attempt=r.attempt, rank=r.rank,
                                        state=r.state, time_ns=r.time_ns, pid=r.pid,
                                        hostname=r.hostname, restored_step=r.restored_step,
-                                       detail=r.detail, phase_s=r.phase_s)
+                                       detail=r.detail, phase_s=r.phase_s, phase=r.phase or "")
                     for r in s.scalars(stmt)]
 
     # -- SDC checks and ingest drops ------------------------------------------------------

@@ -119,6 +119,9 @@ def test_hang_is_detected_long_before_the_pg_timeout(tmp_path: Path, reference: 
                "raw_ingest_max_ranks": 2, "large_job_batch_interval_s": 0.1}))
     check_job(tmp_path, summary, report, reference, [("hang", 1, "node-0")], attempts=2)
     (incident,) = report["incidents"]
+    # the hung rank was killed; its buddy (rank 3) held its shard of the last finished step
+    assert (incident["restored_step"], incident["restored_from"], incident["steps_lost"]) == \
+        (14, "memory+peer copy", 0), incident
     with store_of(tmp_path) as st:
         times = sorted(s.step_time_s for s in st.steps(summary["job_id"], attempt=1, rank=0))
         fronts = st.fronts(summary["job_id"], 1)

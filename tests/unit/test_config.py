@@ -579,3 +579,48 @@ def test_an_unknown_key_that_is_not_one_token_is_quoted_on_one_line(key: str) ->
     msg = _error(yaml.safe_dump({"ray": {key: None}}))
     assert "\n" not in msg and msg.endswith("unknown key"), msg
     assert repr(key) in msg, msg
+
+
+# -- detector actions and phase timeouts ------------------------------------------------------
+
+
+def test_detector_actions_default_to_restart_and_phase_timeouts_to_none() -> None:
+    from fleet.controlplane.detectors import DETECTOR_KINDS, DetectorAction
+
+    d = parse_cluster_yaml("", SRC).detect
+    assert {k: d.action_of(k) for k in DETECTOR_KINDS} == {k: DetectorAction.RESTART for k in DETECTOR_KINDS}
+    assert d.phase_timeouts_s == {}
+
+
+def test_detector_actions_and_phase_timeouts_parse() -> None:
+    from fleet.controlplane.detectors import DetectorAction
+    from fleet.proto.kinds import IncidentKind
+
+    d = parse_cluster_yaml("detect:\n  hang: {action: observe}\n  straggler:\n    action: quarantine\n"
+                           "  phase_timeouts_s: {checkpointing: 600, eval: 300, my_section: 2.5}\n", SRC).detect
+    assert d.action_of(IncidentKind.HANG) is DetectorAction.OBSERVE
+    assert d.action_of(IncidentKind.STRAGGLER) is DetectorAction.QUARANTINE
+    assert d.action_of(IncidentKind.CRASH) is DetectorAction.RESTART  # not a detector's
+    assert d.phase_timeouts_s == {"checkpointing": 600.0, "eval": 300.0, "my_section": 2.5}
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("detect:\n  hangg:\n    action: observe\n",
+         "x.yaml:2: detect: hangg: unknown detector kind; known: hang, desync, straggler"),
+        ("detect:\n  crash: {action: observe}\n", "detect: crash: not a detector's incident"),
+        ("detect:\n  hang:\n    action: ignore\n",
+         "x.yaml:3: detect.hang.action: Input should be 'observe', 'restart' or 'quarantine'"),
+        ("detect:\n  hang:\n    actions: observe\n", "x.yaml:3: detect.hang.actions: unknown key"),
+        ("detect:\n  loss_spike: {action: quarantine}\n", "detect.loss_spike: action quarantine needs a node"),
+        ("detect:\n  hang_floor_s: 5\n  phase_timeouts_s:\n    eval: 2\n",
+         "detect.phase_timeouts_s: eval: 2 s is shorter than hang_floor_s (5 s)"),
+        ("detect:\n  phase_timeouts_s: {checkpointing: 0.5}\n",
+         "detect.phase_timeouts_s: checkpointing: 0.5 s is shorter than hang_floor_s (1 s)"),
+        ("detect:\n  phase_timeouts_s: {'my phase': 20}\n", "detect.phase_timeouts_s: phase name 'my phase'"),
+        ("detect:\n  phase_timeouts_s: {eval: -1}\n", "detect.phase_timeouts_s.eval: Input should be greater than 0"),
+    ],
+)
+def test_bad_detector_settings_name_the_key(text: str, needle: str) -> None:
+    assert needle in _error(text)

@@ -75,9 +75,11 @@ def test_train_restore_is_bit_identical(agent, tmp_path):
         assert full_losses[20] < full_losses[1] - 0.5
         assert full_losses == _losses(agent, 1 - rank, 0)
 
-        statuses = [(s.state, s.restored_step) for s in agent.of_kind("status", rank) if s.attempt == 2]
-        assert statuses == [(Status.STARTING, 0), (Status.PG_READY, 0), (Status.RESTORED, 10),
-                            (Status.TRAINING, 0), (Status.FINISHED, 0)]
+        statuses = [(s.state, s.restored_step, s.phase) for s in agent.of_kind("status", rank) if s.attempt == 2]
+        # steps 15 and 20 save a checkpoint, then the final commit: each in phase checkpointing
+        checkpointing = [(Status.TRAINING, 0, "checkpointing"), (Status.TRAINING, 0, "")]
+        assert statuses == [(Status.STARTING, 0, ""), (Status.PG_READY, 0, ""), (Status.RESTORED, 10, ""),
+                            (Status.TRAINING, 0, ""), *checkpointing * 3, (Status.FINISHED, 0, "")]
         collectives = [c for c in agent.of_kind("collective", rank) if c.attempt == 0 and c.state == "completed"]
         # Every group's sequence numbers are consecutive from 1 (the native recorder sees
         # FSDP's and the checkpointer's groups as well as the default one).

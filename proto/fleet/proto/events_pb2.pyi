@@ -149,7 +149,7 @@ class StepEvent(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., end_ns: _Optional[int] = ..., grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., mfu: _Optional[float] = ..., aux_loss: _Optional[float] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("job_id", "attempt", "rank", "state", "time_ns", "pid", "hostname", "restored_step", "detail", "phase_s", "nonfinite_step", "nonfinite_ranks")
+    __slots__ = ("job_id", "attempt", "rank", "state", "time_ns", "pid", "hostname", "restored_step", "detail", "phase_s", "nonfinite_step", "nonfinite_ranks", "phase")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[WorkerStatus.State]
@@ -178,6 +178,7 @@ class WorkerStatus(_message.Message):
     PHASE_S_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_STEP_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
     rank: int
@@ -190,7 +191,8 @@ class WorkerStatus(_message.Message):
     phase_s: float
     nonfinite_step: int
     nonfinite_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[WorkerStatus.State, str]] = ..., time_ns: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., restored_step: _Optional[int] = ..., detail: _Optional[str] = ..., phase_s: _Optional[float] = ..., nonfinite_step: _Optional[int] = ..., nonfinite_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    phase: str
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[WorkerStatus.State, str]] = ..., time_ns: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., restored_step: _Optional[int] = ..., detail: _Optional[str] = ..., phase_s: _Optional[float] = ..., nonfinite_step: _Optional[int] = ..., nonfinite_ranks: _Optional[_Iterable[int]] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class CheckpointEvent(_message.Message):
     __slots__ = ("job_id", "attempt", "rank", "step", "path", "manifest_sha256", "save_s", "time_ns", "invalid", "reason")
