@@ -174,33 +174,28 @@ def test_node_down_waits_for_the_node_and_restarts(tmp_path: Path, reference: di
     assert (ending["restored_step"], ending["steps_lost"]) == (14, 0), ending
 
 
-def test_agent_down_restarts_the_agent_and_training_goes_on(tmp_path: Path, reference: dict[int, float]) -> None:
+def test_a_partition_and_a_killed_agent_are_detected_and_training_goes_on(
+        tmp_path: Path, reference: dict[int, float]) -> None:
+    # node-0's agent is cut off for 5 s at step 10; node-1's agent is killed at step 25
     summary, report = run_job(tmp_path, chaos_cluster(
-        tmp_path, [{"kind": "agent-down", "node": "node-1", "at_step": 15}]))
-    check_job(tmp_path, summary, report, reference, [("agent_loss", -1, "node-1")], attempts=1)
-    assert "gone" in report["incidents"][0]["evidence"]
+        tmp_path, [{"kind": "partition", "node": "node-0", "at_step": 10, "duration_s": 5},
+                   {"kind": "agent-down", "node": "node-1", "at_step": 25}],
+        controller={"heartbeat_timeout_s": 2.0}))
+    check_job(tmp_path, summary, report, reference, [("agent_loss", -1, "node-0"), ("agent_loss", -1, "node-1")],
+              attempts=1)
+    partition, killed = report["incidents"]
+    assert "partitioned" in partition["evidence"] and "gone" in killed["evidence"], report["incidents"]
     with store_of(tmp_path) as st:
         assert [a.kind for a in st.actions(summary["job_id"])].count("restart_agent") == 1
         rows = st.steps(summary["job_id"], attempt=1)
-    # node-0's telemetry is complete; node-1's ranks report again through the new agent
-    # (what the killed agent held in memory, not yet committed, went down with it)
+    # the partitioned agent kept everything and delivered it once the partition ended;
+    # node-1's ranks report again through the new agent (what the killed agent held in
+    # memory, not yet committed, went down with it)
     for rank in (0, 1):
         assert sorted(s.step for s in rows if s.rank == rank) == list(range(1, STEPS + 1))
     for rank in (2, 3):
         seen = {s.step for s in rows if s.rank == rank}
-        assert set(range(1, 15)) <= seen and set(range(25, STEPS + 1)) <= seen, sorted(seen)
-
-
-def test_partition_is_detected_and_training_goes_on(tmp_path: Path, reference: dict[int, float]) -> None:
-    summary, report = run_job(tmp_path, chaos_cluster(
-        tmp_path, [{"kind": "partition", "node": "node-0", "at_step": 10, "duration_s": 5}],
-        controller={"heartbeat_timeout_s": 2.0}))
-    check_job(tmp_path, summary, report, reference, [("agent_loss", -1, "node-0")], attempts=1)
-    assert "partitioned" in report["incidents"][0]["evidence"]
-    with store_of(tmp_path) as st:
-        rows = st.steps(summary["job_id"], attempt=1)
-        for rank in range(4):
-            assert sorted(s.step for s in rows if s.rank == rank) == list(range(1, STEPS + 1))
+        assert set(range(1, 25)) <= seen and set(range(35, STEPS + 1)) <= seen, sorted(seen)
 
 
 def test_a_rank_and_its_buddy_lost_with_a_corrupt_checkpoint_fall_back_to_an_older_one(

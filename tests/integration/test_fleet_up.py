@@ -233,7 +233,7 @@ def test_fleet_up_runs_a_job_to_success(tmp_path: Path) -> None:
 
 
 def test_injected_crash_restarts_from_the_newest_checkpoint(tmp_path: Path) -> None:
-    steps, interval, crash_step = 60, 10, 45
+    steps, interval, crash_step = 40, 10, 25
     run = FleetUp(tmp_path, write_cluster(tmp_path, steps=steps, checkpoint_interval=interval))
     run.wait_until(lambda: controller_job(tmp_path), 120, "the controller to start")
     job_id = controller_job(tmp_path)
@@ -249,8 +249,9 @@ def test_injected_crash_restarts_from_the_newest_checkpoint(tmp_path: Path) -> N
         assert [a.state for a in attempts] == [AttemptState.FAILED, AttemptState.SUCCEEDED]
         first, second = attempts
         assert first.final_step == crash_step - 1
-        # restored from the newest checkpoint before the crash
-        assert second.restored_step == (crash_step - 1) // interval * interval >= 1
+        # restored from memory, the last finished step: the dead rank's shard from its
+        # buddy's peer copy (the newest checkpoint on disk is older)
+        assert second.restored_step == crash_step - 1 > (crash_step - 1) // interval * interval
         assert second.final_step == steps
         resumed = sorted({s.step for s in store.steps(job_id, attempt=2)})
         assert resumed == list(range(second.restored_step + 1, steps + 1))
@@ -270,7 +271,8 @@ def test_injected_hang_is_blamed_by_the_flight_recorder(tmp_path: Path) -> None:
     """Rank 1 stops before a collective; its peers wait in it. The live hang detector
     sees no step end past its threshold, and the desync verdict over the stored traces
     names the culprit, long before the process-group timeout; the culprit is killed, the
-    attempt restarts from the newest checkpoint and the job completes."""
+    attempt restarts from memory (the killed rank's shard from its buddy's peer copy) and
+    the job completes."""
     steps, interval, hang_step = 40, 10, 25
     cluster = write_cluster(tmp_path, steps=steps, checkpoint_interval=interval, pg_timeout_s=8, max_restarts=1)
     cfg = yaml.safe_load(cluster.read_text())
@@ -290,7 +292,7 @@ def test_injected_hang_is_blamed_by_the_flight_recorder(tmp_path: Path) -> None:
             ("hang", "hang", 1, "node-0", 1)], incidents
         assert "culprit rank 1" in incidents[0].evidence
         first, second = store.get_attempts(job_id)
-        assert first.final_step == hang_step - 1 and second.restored_step == 20
+        assert first.final_step == hang_step - 1 and second.restored_step == hang_step - 1
         declared = {g.group: g.ranks for g in store.process_groups(job_id, 1)}
 
     out = subprocess.run([*FLEET, "replay", job_id, "--attempt", "1", "--json", "--perfetto", "trace.json"],

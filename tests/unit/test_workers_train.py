@@ -152,10 +152,10 @@ def test_torchrun_flags_are_derived_from_the_recipe_fields():
     assert defaults.train == TrainArgs()
     spec = train.spec_from_torchrun([
         "--checkpoint-dir", "/tmp/x", "--sync-checkpoint", "--activation-checkpointing", "--seed", "5",
-        "--lr-schedule", "constant", "--no-memory-snapshots", "--batch-size", "2", "--lr", "0.01",
+        "--lr-schedule", "constant", "--memory-snapshots", "off", "--batch-size", "2", "--lr", "0.01",
         "--data-parallel", "ddp", "--fp8", "rowwise"])
     assert spec.train == TrainArgs(async_checkpoint=False, activation_checkpointing=True, seed=5,
-                                   lr_schedule="constant", memory_snapshots=False, batch_size=2, lr=0.01,
+                                   lr_schedule="constant", memory_snapshots="off", batch_size=2, lr=0.01,
                                    data_parallel="ddp")
     assert spec.model.fp8 == "rowwise"
 
