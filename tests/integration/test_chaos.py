@@ -170,8 +170,10 @@ def test_node_down_waits_for_the_node_and_restarts(tmp_path: Path, reference: di
         restored = {w.rank: w.detail for w in st.worker_status(summary["job_id"], 2) if w.state == "RESTORED"}
     # node-1's two ranks were lost with it; their buddies on node-0 held their shards
     assert restored == {0: "memory", 1: "memory", 2: "peer copy from rank 0", 3: "peer copy from rank 1"}, restored
+    # the controller downs the node once it sees step 15 begin (node-0's ranks may be a
+    # step or two further by then): the last finished step is what was restored
     (ending,) = [i for i in report["incidents"] if i["ended_attempt"]]
-    assert (ending["restored_step"], ending["steps_lost"]) == (14, 0), ending
+    assert ending["restored_step"] >= 14 and ending["steps_lost"] == 0, ending
 
 
 def test_a_partition_and_a_killed_agent_are_detected_and_training_goes_on(
