@@ -49,8 +49,9 @@ starts (under torchrun, the workers' own store is fleet's, bound to MASTER_ADDR 
 * **train_wall_s**: the first step's start to the last step's end; **run_wall_s**: the
   runner's whole run (start-up, the fault and teardown included): what the user waits.
 
-The last line of output is one JSON object: per runner ``<runner>_<figure>`` for the first job, the same suffixed ``_fsdp`` (and ``_w<size>``)
-for the others, and per job ``step_time_ratio_vs_torchrun`` and ``wall_ratio_vs_torchrun``
+The last line of output is one JSON object: per runner ``<runner>_<figure>`` for the DDP
+job, the same suffixed ``_fsdp`` for the FSDP one (and ``_w<size>`` for world sizes after
+the first), and per job ``step_time_ratio_vs_torchrun`` and ``wall_ratio_vs_torchrun``
 (fleet's median step time and run_wall_s over torchrun's).
 """
 
@@ -443,7 +444,7 @@ def main() -> int:
                         help="also run torchrun with torch's default shared rendezvous store (does not recover)")
     parser.add_argument("--data-parallel", type=_modes, default=["ddp", "fsdp"],
                         help="comma-separated jobs: ddp (replicated) and/or fsdp (FSDP2 + expert parallelism "
-                        "over 2, the local example's shape); keys of the first unsuffixed, the others' _<mode>")
+                        "over 2, the local example's shape); ddp's keys unsuffixed, fsdp's _fsdp")
     parser.add_argument("--world-sizes", type=_sizes, default=[4],
                         help="comma-separated world sizes (even: two nodes); keys of the first unsuffixed, "
                         "the others' _w<size>")
@@ -455,10 +456,10 @@ def main() -> int:
     args = parser.parse_args()
 
     runners = [r for r in RUNNERS if not getattr(args, f"skip_{r}")]
-    jobs = []  # (key suffix, job): the first data-parallel mode and world size unsuffixed
-    for i, mode in enumerate(args.data_parallel):
+    jobs = []  # (key suffix, job): ddp's keys and the first world size's unsuffixed
+    for mode in args.data_parallel:
         for j, world in enumerate(args.world_sizes):
-            suffix = ("" if i == 0 else f"_{mode}") + ("" if j == 0 else f"_w{world}")
+            suffix = ("" if mode == "ddp" else f"_{mode}") + ("" if j == 0 else f"_w{world}")
             jobs.append((suffix, RecoveryJob(
                 workdir="", steps=args.steps, kill_step=args.kill_step, checkpoint_interval=args.checkpoint_interval,
                 pg_timeout_s=args.pg_timeout_s, world_size=world, data_parallel=mode,
