@@ -137,11 +137,16 @@ class _NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     def Report(self, request: agent_pb2.WorkerReport, context: grpc.ServicerContext) -> agent_pb2.WorkerReply:
         self._note_worker_losses(request)
         events, fronts = list(request.events), None
+        if self._uplink.durable(request.reporter, request.report_id):
+            # the worker's retry of a report this agent's predecessor wrote to its log and
+            # died before answering: those events are being resent from the log already
+            events = []
         if self._keeper is not None and events:
             events, fronts = self._keep_collectives(events)
         if events:
             try:
-                self._uplink.submit(events, timeout_s=5.0)
+                self._uplink.submit(events, timeout_s=5.0, mark=agent_pb2.ReportMark(
+                    reporter=request.reporter, report_id=request.report_id))
             except TimeoutError as exc:
                 if fronts is not None:   # sent with the next report instead
                     self._keeper.untake(fronts)

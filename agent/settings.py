@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 #: Fields that cluster.yaml's ``agent:`` section embeds, in the reference's order.
 AGENT_SECTION_FIELDS = (
     "batch_max_events", "batch_max_bytes", "batch_interval_s", "memory_max_bytes",
-    "spill_max_bytes", "spill_dir", "ring_entries",
+    "spill_max_bytes", "wal", "spill_dir", "ring_entries",
 )
 #: Fields that cluster.yaml keeps in its ``controller:`` section (the controller sets them
 #: for every agent it starts).
@@ -66,18 +66,27 @@ class AgentSettings(BaseModel):
     )
     memory_max_bytes: int = Field(
         64 << 20, ge=64 << 10, le=1 << 40,
-        description="Unacknowledged batches an agent keeps in memory, bytes; beyond that it "
-        "spills them to disk.",
+        description="Unacknowledged batches an agent keeps in memory, bytes. With agent.wal every batch "
+        "is also on disk and this bounds the copies kept to send from; without it, batches beyond this "
+        "spill to disk.",
     )
     spill_max_bytes: int = Field(
         1 << 30, ge=0, le=1 << 50,
-        description="Unacknowledged batches an agent spills to disk, bytes (0 = never spill). Past "
-        "memory and spill, workers' reports block: backpressure, never loss. A spill write that "
-        "fails (disk full or broken) drops that batch and reports the loss to the controller.",
+        description="Unacknowledged batches an agent keeps on disk, bytes (0 = no disk: no write-ahead "
+        "log, no spill). Past it, workers' reports block: backpressure, never loss. A write that fails "
+        "(disk full or broken) keeps that batch in memory if it fits, else drops it and reports the loss "
+        "to the controller.",
+    )
+    wal: bool = Field(
+        True, description="Write-ahead log: an agent answers a worker's report only once its events are "
+        "written to the spill folder, and a restarted agent resends what its predecessor left there, so "
+        "an agent killed mid-run loses no event (the controller stores each batch once). Needs "
+        "agent.spill_max_bytes > 0; spill_max_bytes then bounds everything unacknowledged. Protects "
+        "against the agent process dying, not the machine (no fsync).",
     )
     spill_dir: str = Field(
         "", description="Folder agents spill to, one subfolder per agent (empty: `<state_dir>/spill`). "
-        "Spilled batches do not survive an agent restart; a restarted agent reports them as dropped.",
+        "A restarted agent resends the batches its predecessor left there.",
     )
     heartbeat_interval_s: float = Field(
         1.0, gt=0, le=600, description="Seconds between agent heartbeats."

@@ -9,12 +9,21 @@ batch as malformed (``Ack.rejected``: counted, logged, never resent). Batches ca
 (agent_id, epoch, seq); after a reconnect every unacked batch is sent again, and the
 controller's idempotent ingest drops the ones it already has.
 
+Write-ahead log (with a spill folder, ``settings.wal``): ``submit`` returns only once the
+events are written to the folder's log (``agent.spool``), so the agent can answer the
+worker that sent them; every batch is cut to a file there, and also kept in memory while
+``memory_max_bytes`` allows. A later process of the same agent (a new epoch) adopts what
+this one left: it resends those batches first, under their own (agent_id, epoch, seq),
+which the controller commits at most once, and knows which worker reports they hold
+(``durable``), so a worker's retry of one is answered without taking its events again.
+
 Bounds. A batch holds at most ``batch_max_events`` events and ``batch_max_bytes`` of
 them (a single larger event goes alone). Unacked batches stay in memory up to
-``memory_max_bytes`` (plus the batch being filled, under ``batch_max_bytes``); past
-that they are spilled to disk (``agent.spool``) up to
-``spill_max_bytes``; past both, ``submit`` blocks (bounded) so the workers keep their
-events: backpressure, never a drop for being slow. The stream itself is paced by gRPC
+``memory_max_bytes`` (plus the batch being filled, under ``batch_max_bytes``) and on
+disk up to ``spill_max_bytes`` (with the log, every batch is on disk; without it, only
+those that do not fit in memory); past both, ``submit`` blocks (bounded) so the workers
+keep their events: backpressure, never a drop for being slow. A log write that fails
+(disk full) leaves those events in memory only, counted in ``stats()["unlogged_events"]``. The stream itself is paced by gRPC
 flow control: the outbound generator is pulled for the next message only once the
 previous one was written, and only then sends (or, for a partial batch older than
 ``batch_interval_s``, cuts) the next batch. Full batches are cut as they fill, so the
@@ -53,12 +62,13 @@ import grpc
 
 from fleet.agent.backoff import reconnect_delays
 from fleet.agent.settings import AgentSettings
-from fleet.agent.spool import Spool
+from fleet.agent.spool import Predecessor, Spool
 from fleet.proto import agent_pb2, events_pb2
 from fleet.proto.contract import (
     AGENT_MESSAGE_BATCH_TAG,
     CONNECT_METHOD_PATH,
     EVENT_BATCH_EVENTS_TAG,
+    EVENT_BATCH_MARKS_TAG,
     MESSAGE_HEADROOM_BYTES,
     TOKEN_METADATA_KEY,
     encode_varint,
@@ -80,13 +90,14 @@ def _length_delimited(tag: bytes, data: bytes) -> bytes:
 
 @dataclass
 class _Batch:
-    """One unacked batch: its EventBatch bytes in memory, or the file they were spilled to."""
+    """One unacked batch: its EventBatch bytes in memory, the file they are in, or both."""
 
     seq: int
     n_events: int
     size: int
     data: bytes | None = None
     path: Path | None = None
+    epoch: int = 0          # a predecessor's epoch (0: this process's own batch)
 
 
 class _Conn:
@@ -95,6 +106,7 @@ class _Conn:
     def __init__(self) -> None:
         self.done = threading.Event()
         self.cursor = 0             # highest seq sent on this stream
+        self.stale_sent = (0, 0)    # (epoch, seq) of the last predecessor's batch sent
         self.next_heartbeat = 0.0
 
 
@@ -141,11 +153,19 @@ class Uplink:
         self._credentials = channel_credentials(tls) if tls is not None else None
         self._on_ack = on_ack
         self._spool = Spool(spill_dir, hello.agent_id, hello.epoch) if spill_dir is not None else None
+        self._wal = self._spool is not None and settings.wal and self._spill_max > 0
 
         self._cond = threading.Condition()
         # events not yet in a batch, each already encoded as an EventBatch.events field
+        # (and after each submission's events, its ReportMark, encoded as an EventBatch.marks field)
         self._pending: list[bytes] = []
+        self._pending_events = 0
         self._pending_bytes = 0
+        self._wal_ok = True           # the log of the batch being filled holds all of it
+        self._mem_only_bytes = 0      # batches in memory that the log could not take
+        # predecessors' unacked batches, oldest first, and the worker reports they hold
+        self._stale: list[_Batch] = []
+        self._durable: dict[str, int] = {}
         self._pending_since = 0.0
         self._unacked: collections.OrderedDict[int, _Batch] = collections.OrderedDict()
         self._unacked_events = 0
@@ -170,6 +190,8 @@ class Uplink:
         self.dropped_events = 0
         self.dropped_batches = 0
         self.rejected_events = 0
+        self.unlogged_events = 0      # taken while the write-ahead log could not be written
+        self.resent_events = 0        # predecessors' events committed through this process
         self._thread = threading.Thread(
             target=self._run, name=f"fleet-agent-uplink-{hello.node_name}", daemon=True
         )
@@ -179,12 +201,14 @@ class Uplink:
     def start(self) -> Uplink:
         self._hello_msg = agent_pb2.AgentMessage(hello=self._hello).SerializeToString()
         if self._spool is not None:
-            self._report_stale_spill()
+            self._adopt_stale()
         self._thread.start()
         return self
 
-    def submit(self, events: list[events_pb2.Event], timeout_s: float = 30.0) -> None:
-        """Queue events for the controller.
+    def submit(self, events: list[events_pb2.Event], timeout_s: float = 30.0,
+               mark: agent_pb2.ReportMark | None = None) -> None:
+        """Queue events for the controller; with the write-ahead log, they are on disk
+        when this returns. ``mark``: the worker report they came from (see ``durable``).
 
         Blocks while memory and spill are both full; TimeoutError after ``timeout_s``
         (or once closed): then none of ``events`` was taken and the caller keeps them.
@@ -193,7 +217,8 @@ class Uplink:
         too_big = [len(f) for f in fields if len(f) > self._max_event_bytes]
         if too_big:
             fields = [f for f in fields if len(f) <= self._max_event_bytes]
-        incoming = sum(len(f) for f in fields)
+        mark_field = _length_delimited(EVENT_BATCH_MARKS_TAG, mark.SerializeToString() if mark else b"")
+        incoming = sum(len(f) for f in fields) + len(mark_field)
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while not self._room_for(incoming):
@@ -211,14 +236,22 @@ class Uplink:
                            f"the controller's message limit ({self._max_event_bytes} bytes per event)")
             if not fields:
                 return
+            self._log(fields, mark_field)
             if not self._pending:
                 self._pending_since = time.monotonic()
             self._pending.extend(fields)
+            self._pending.append(mark_field)
+            self._pending_events += len(fields)
             self._pending_bytes += incoming
-            while (len(self._pending) >= self._batch_max_events
-                   or self._pending_bytes >= self._batch_max_bytes):
+            while self._pending_events and (self._pending_events >= self._batch_max_events
+                                            or self._pending_bytes >= self._batch_max_bytes):
                 self._cut()
             self._cond.notify_all()
+
+    def durable(self, reporter: str, report_id: int) -> bool:
+        """True if a predecessor of this agent already made that worker report durable
+        (its events are resent from the log; the worker's retry must not add them again)."""
+        return bool(reporter) and report_id <= self._durable.get(reporter, 0)
 
     def wait_welcomed(self, timeout_s: float) -> bool:
         """True once the controller accepted this agent's Hello."""
@@ -232,7 +265,7 @@ class Uplink:
             self._flushing += 1
             self._cond.notify_all()
             try:
-                while self._pending or self._unacked or self._drops:
+                while self._pending or self._unacked or self._drops or self._stale:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return False
@@ -268,7 +301,7 @@ class Uplink:
     def backlog(self) -> int:
         """Events not yet acknowledged by the controller."""
         with self._cond:
-            return len(self._pending) + self._unacked_events
+            return self._pending_events + self._unacked_events + sum(b.n_events for b in self._stale)
 
     def stats(self) -> dict[str, int]:
         """Counters since start: events acked, dropped (spill failed, too large), rejected
@@ -276,13 +309,16 @@ class Uplink:
         with self._cond:
             return {
                 "acked_events": self.acked_events,
-                "backlog": len(self._pending) + self._unacked_events,
+                "backlog": self._pending_events + self._unacked_events + sum(b.n_events for b in self._stale),
                 "memory_bytes": self._mem_bytes + self._pending_bytes,
                 "spilled_batches": self._spilled,
                 "spilled_bytes": self._spill_bytes,
                 "dropped_events": self.dropped_events,
                 "dropped_batches": self.dropped_batches,
                 "rejected_events": self.rejected_events,
+                "unlogged_events": self.unlogged_events,
+                "resent_events": self.resent_events,
+                "stale_batches": len(self._stale),
                 "reconnects": self.reconnects,
                 "partitions": self.partitions,
             }
@@ -303,13 +339,15 @@ class Uplink:
         if self._thread.ident is not None:   # not when closed without being started
             self._thread.join(timeout=5)
         with self._cond:
-            lost = len(self._pending) + self._unacked_events
+            lost = self._pending_events + self._unacked_events + sum(b.n_events for b in self._stale)
             if lost or self._drops:
                 log.error("closing with %d event(s) not acknowledged by the controller and %d drop "
                           "report(s) unsent; they are lost", lost, len(self._drops))
             self._unacked.clear()
             self._pending.clear()
+            self._stale.clear()
             self._mem_bytes = self._spill_bytes = self._pending_bytes = self._spilled = 0
+            self._pending_events = self._mem_only_bytes = 0
             if self._spool is not None:
                 self._spool.close()
 
@@ -323,23 +361,47 @@ class Uplink:
 
     def _room_for(self, incoming: int) -> bool:
         queued = self._pending_bytes + incoming
-        if self._mem_bytes + queued <= self._memory_max or self._spill_bytes + queued <= self._spill_max:
+        if self._wal:
+            # everything unacked is on disk (memory copies are a cache), except what the
+            # log could not take
+            if (self._spill_bytes + queued <= self._spill_max
+                    and self._mem_only_bytes + queued <= self._memory_max):
+                return True
+        elif self._mem_bytes + queued <= self._memory_max or self._spill_bytes + queued <= self._spill_max:
             return True
         # alone, one oversized submission is taken (else it would wait forever)
         return not self._pending and not self._unacked
 
-    def _cut(self) -> _Batch | None:
-        """Make the next batch of pending events; keep it in memory or on disk.
+    def _log(self, fields: list[bytes], mark_field: bytes) -> None:
+        """Append one submission to the write-ahead log (under the lock)."""
+        if not self._wal:
+            return
+        if self._wal_ok:
+            assert self._spool is not None
+            try:
+                self._spool.append(self._seq + 1, b"".join(fields) + mark_field)
+                return
+            except OSError as exc:
+                self._wal_ok = False
+                log.error("write-ahead log write failed (%s): events are kept in memory only until the "
+                          "next batch is cut; an agent killed meanwhile loses them", _oserror_text(exc))
+        self.unlogged_events += len(fields)
 
-        None when its spill write failed (the batch is then dropped and reported)."""
-        n, size = 0, 0
+    def _cut(self) -> _Batch | None:
+        """Make the next batch of pending events; keep it in memory, on disk, or both.
+
+        None when it could be kept nowhere (the batch is then dropped and reported)."""
+        n, size, k = 0, 0, 0
         for f in self._pending:
-            if n >= self._batch_max_events or (n and size + len(f) > self._batch_max_bytes):
-                break
-            n += 1
+            if f[:1] == EVENT_BATCH_EVENTS_TAG:  # an event (marks ride along, 0 events)
+                if n >= self._batch_max_events or (n and size + len(f) > self._batch_max_bytes):
+                    break
+                n += 1
             size += len(f)
-        fields = self._pending[:n]
-        del self._pending[:n]
+            k += 1
+        fields = self._pending[:k]
+        del self._pending[:k]
+        self._pending_events -= n
         self._pending_bytes -= size
         if self._pending:
             self._pending_since = time.monotonic()
@@ -350,6 +412,31 @@ class Uplink:
         data = header + b"".join(fields)
         batch = _Batch(seq=self._seq, n_events=n, size=len(data))
         fits_memory = self._mem_bytes + batch.size <= self._memory_max
+        if self._wal:
+            assert self._spool is not None
+            try:
+                batch.path, self._wal_ok = self._spool.cut(batch.seq, n, data, b"".join(self._pending))
+            except OSError as exc:
+                log.error("write-ahead log: batch %d (%d events) is in memory only (%s)",
+                          batch.seq, n, _oserror_text(exc))
+                self._wal_ok = False
+                self.unlogged_events += n
+            if batch.path is not None:
+                self._spill_bytes += batch.size
+                self._spilled += 1
+                if fits_memory:
+                    batch.data = data
+                    self._mem_bytes += batch.size
+            elif self._mem_only_bytes + batch.size <= self._memory_max:
+                batch.data = data
+                self._mem_bytes += batch.size
+                self._mem_only_bytes += batch.size
+            else:
+                self._drop(batch.seq, batch.seq, n, "write-ahead log write failed and memory is full")
+                return None
+            self._unacked[batch.seq] = batch
+            self._unacked_events += n
+            return batch
         fits_spill = self._spill_bytes + batch.size <= self._spill_max
         if fits_memory or not fits_spill:
             batch.data = data
@@ -368,15 +455,18 @@ class Uplink:
         return batch
 
     def _forget(self, batch: _Batch) -> None:
-        """Release one batch's memory or spill file (it left ``_unacked``)."""
-        self._unacked_events -= batch.n_events
+        """Release one batch's memory and file (it left ``_unacked`` or ``_stale``)."""
+        if not batch.epoch:
+            self._unacked_events -= batch.n_events
         if batch.path is not None:
             assert self._spool is not None
             self._spool.remove(batch.path)
             self._spill_bytes -= batch.size
             self._spilled -= 1
-        else:
+        if batch.data is not None:
             self._mem_bytes -= batch.size
+            if batch.path is None:
+                self._mem_only_bytes -= batch.size
 
     def _drop(self, first_seq: int, last_seq: int, n_events: int, reason: str) -> None:
         """Count lost events, log the first of a burst, queue (or extend) a DropReport."""
@@ -410,19 +500,28 @@ class Uplink:
         with self._cond:
             self._drop(0, 0, n_events, reason)
 
-    def _report_stale_spill(self) -> None:
+    def _adopt_stale(self) -> None:
+        """Take over what earlier processes of this agent left: their batches go out first."""
         assert self._spool is not None
-        for s in self._spool.take_stale():
-            log.warning("found %d batch(es) (%d events) spilled by an earlier run of %s (epoch %d) and "
-                        "never acknowledged; they cannot be resent and are reported as dropped",
-                        s.batches, s.events, self._hello.agent_id, s.epoch)
-            with self._cond:
-                self._drops.append(agent_pb2.DropReport(
-                    agent_id=self._hello.agent_id, epoch=s.epoch, first_seq=s.first_seq,
-                    last_seq=s.last_seq, events=s.events, time_ns=time.time_ns(),
-                    reason="agent restarted: batches it had spilled were never acknowledged and "
-                    "are not resent (some may have been committed without an ack)",
-                ))
+        for pred in self._spool.take_stale():
+            self._adopted(pred)
+
+    def _adopted(self, pred: Predecessor) -> None:
+        for reporter, report_id in pred.reports.items():
+            self._durable[reporter] = max(report_id, self._durable.get(reporter, 0))
+        events = sum(b.n_events for b in pred.batches)
+        if pred.batches:
+            log.warning("an earlier run of %s (epoch %d) left %d batch(es) (%d events) unacknowledged; "
+                        "resending them", self._hello.agent_id, pred.epoch, len(pred.batches), events)
+        if pred.torn_events:
+            log.info("an earlier run of %s (epoch %d) died writing %d event(s) it never acknowledged to "
+                     "their worker, which sends them again", self._hello.agent_id, pred.epoch, pred.torn_events)
+        with self._cond:
+            for b in pred.batches:
+                self._stale.append(_Batch(seq=b.seq, n_events=b.n_events, size=b.size, path=b.path,
+                                          epoch=b.epoch))
+                self._spill_bytes += b.size
+                self._spilled += 1
 
     # -- stream ---------------------------------------------------------------------
 
@@ -533,6 +632,9 @@ class Uplink:
                 if now >= conn.next_heartbeat:
                     conn.next_heartbeat = now + self._heartbeat_interval_s
                     return _HEARTBEAT
+                stale = self._next_stale(conn)
+                if stale is not None:
+                    return stale
                 batch = self._next_unacked(conn.cursor)
                 if batch is None and self._pending and (
                     self._flushing or self._closing or now - self._pending_since >= self._batch_interval_s
@@ -550,6 +652,14 @@ class Uplink:
                     wait = min(wait, self._pending_since + self._batch_interval_s - now)
                 self._cond.wait(max(wait, 0.001))
 
+    def _next_stale(self, conn: _Conn) -> _Batch | None:
+        """The next predecessor's batch this stream has not sent (they go first, in order)."""
+        for b in self._stale:
+            if (b.epoch, b.seq) > conn.stale_sent:
+                conn.stale_sent = (b.epoch, b.seq)
+                return b
+        return None
+
     def _next_unacked(self, cursor: int) -> _Batch | None:
         """The unacked batch with the lowest seq above ``cursor``."""
         if not self._unacked:
@@ -564,9 +674,14 @@ class Uplink:
 
     def _spill_lost(self, batch: _Batch, exc: OSError) -> None:
         with self._cond:
-            if self._unacked.get(batch.seq) is not batch:
+            if batch.epoch:
+                if batch not in self._stale:
+                    return  # acked while we read it
+                self._stale.remove(batch)
+            elif self._unacked.get(batch.seq) is not batch:
                 return  # acked while we read it
-            del self._unacked[batch.seq]
+            else:
+                del self._unacked[batch.seq]
             self._forget(batch)
             self._drop(batch.seq, batch.seq, batch.n_events, f"spill read failed: {_oserror_text(exc)}")
 
@@ -574,6 +689,7 @@ class Uplink:
         kind = msg.WhichOneof("msg")
         if kind == "ack":
             if msg.ack.epoch != self._hello.epoch:
+                self._stale_acked(msg.ack)
                 return
             if msg.ack.rejected:
                 self._rejected(msg.ack.seq, msg.ack.rejected)
@@ -601,6 +717,28 @@ class Uplink:
                     self._on_ack(s, n)
                 except Exception:
                     log.exception("on_ack hook failed")
+
+    def _stale_acked(self, ack: agent_pb2.Ack) -> None:
+        """A predecessor's batches committed (through ``ack.seq``) or one rejected."""
+        with self._cond:
+            done = [b for b in self._stale if b.epoch == ack.epoch
+                    and (b.seq == ack.seq if ack.rejected else b.seq <= ack.seq)]
+            if not done:
+                return
+            self._stale = [b for b in self._stale if b not in done]
+            for b in done:
+                self._forget(b)
+                if ack.rejected:
+                    self.rejected_events += b.n_events
+                else:
+                    self.resent_events += b.n_events
+                    self.acked_events += b.n_events
+            if self._spool is not None and not any(b.epoch == ack.epoch for b in self._stale):
+                self._spool.release(ack.epoch)
+            self._cond.notify_all()
+        if ack.rejected:
+            log.error("controller rejected batch %d of an earlier run (epoch %d) as malformed: %s; it is "
+                      "not resent", ack.seq, ack.epoch, ack.rejected)
 
     def _rejected(self, seq: int, reason: str) -> None:
         with self._cond:

@@ -8,7 +8,8 @@ Welcome, the acks and any commands posted for the node.
 
 An event batch is validated and turned into rows (``ingest.prepare``), then queued for
 the store's single writer (``IngestWriter``), which commits it idempotently, keyed by
-(agent_id, epoch, seq), and acks it after the commit. A batch that fails validation is
+(agent_id, epoch, seq), and acks it after the commit (a restarted agent first resends what
+its predecessor left unacknowledged, under that process's epoch). A batch that fails validation is
 recorded as dropped and acked as rejected, in its place in the stream's order. Each
 stream handles its messages one at a time, so its batches reach the writer, and its
 acks come back, in the order they were sent.
@@ -379,7 +380,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             session._notify()
 
     async def _queue_batch(self, session: AgentSession, batch: agent_pb2.EventBatch) -> bool:
-        if batch.agent_id != session.agent_id or batch.epoch != session.epoch:
+        # a batch of an earlier epoch is a predecessor's, resent from its write-ahead log:
+        # committed at most once like any other (its key is its own), acked under its epoch
+        if batch.agent_id != session.agent_id or not 0 < batch.epoch <= session.epoch:
             self.metrics.errors.labels("protocol").inc()
             session.fail(f"batch for {batch.agent_id}/{batch.epoch} on the stream of "
                          f"{session.agent_id}/{session.epoch}", grpc.StatusCode.INVALID_ARGUMENT)

@@ -19,10 +19,13 @@ Invariants:
   * ``emit`` never blocks on the network; it is safe from any thread.
   * The thread keeps running while the main thread sits inside a collective (gloo
     releases the GIL), which is exactly when the events matter.
-  * Nothing is lost on a failed send: the batch goes back to the front of the buffer
-    and is retried next tick. The buffer is bounded (``max_buffered``); beyond it the
-    oldest events are dropped and counted in ``dropped``, which every report carries so
-    that the agent records the loss with the controller.
+  * Nothing is lost on a failed send: the same report (same events, same
+    ``report_id``) is sent again next tick, before anything newer. An agent that wrote
+    it to its write-ahead log and died before answering left the number there, and its
+    successor answers the retry without taking the events twice. The buffer of events
+    not yet in a report is bounded (``max_buffered``); beyond it the oldest events are
+    dropped and counted in ``dropped``, which every report carries so that the agent
+    records the loss with the controller.
   * The thread never dies silently: each tick's errors are caught and logged.
 
 With ``agent_address`` empty/None the reporter runs no thread and discards events
@@ -32,8 +35,10 @@ With ``agent_address`` empty/None the reporter runs no thread and discards event
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 
@@ -69,6 +74,11 @@ class Reporter:
         self.cpu_s = 0.0         # CPU seconds the reporter thread used (set when it ends)
         self._buffer: deque[events_pb2.Event] = deque()
         self._inflight = 0  # events taken from the buffer by the call in progress
+        # this process's reports: "<pid>-<random>", numbered 1, 2, ...; a report that
+        # failed waits in _retry (with its event count) and goes again, unchanged
+        self.reporter_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._report_id = 0
+        self._retry: tuple[agent_pb2.WorkerReport, int] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -99,7 +109,7 @@ class Reporter:
     def pending(self) -> int:
         """Events buffered and not yet acknowledged by the agent."""
         with self._lock:
-            return len(self._buffer) + self._inflight
+            return len(self._buffer) + self._inflight + (self._retry[1] if self._retry else 0)
 
     def emit(self, event: events_pb2.Event) -> None:
         """Queue ``event`` for the next report. Thread-safe; never blocks on I/O."""
@@ -218,18 +228,30 @@ class Reporter:
                 self._wake.wait(min(self.spec.report_interval_s, max(0.0, deadline - time.monotonic())))
 
     def _send_all(self, timeout_s: float | None = None) -> None:
-        """Send every buffered event (in chunks); at least one call even if there are none.
+        """Send the report that failed last time, if any, then every buffered event (in
+        chunks); at least one call even if there are none.
 
         ``timeout_s`` bounds each call (default ``call_timeout_s``)."""
+        timeout_s = timeout_s or self.call_timeout_s
+        if self._retry is not None:
+            report, n = self._retry
+            self._send(report, n, timeout_s)   # raises: it stays for the next tick
+            self._retry = None
         while True:
             with self._lock:
                 n = min(len(self._buffer), MAX_EVENTS_PER_REPORT)
                 batch = [self._buffer.popleft() for _ in range(n)]
                 self._inflight = n
+            self._report_id += 1
+            report = agent_pb2.WorkerReport(
+                job_id=self.spec.job_id, attempt=self.spec.attempt, rank=self.spec.rank,
+                events=columns.pack_events(batch), dropped_events=self.dropped,
+                reporter=self.reporter_id, report_id=self._report_id)
             try:
-                self._send(batch, timeout_s or self.call_timeout_s)
+                self._send(report, n, timeout_s)
             except BaseException:
-                self._requeue(batch)
+                self._retry = (report, n)
+                self.send_failures += 1
                 raise
             finally:
                 with self._lock:
@@ -237,13 +259,10 @@ class Reporter:
             if n < MAX_EVENTS_PER_REPORT:
                 return
 
-    def _send(self, batch: list[events_pb2.Event], timeout_s: float) -> None:
+    def _send(self, report: agent_pb2.WorkerReport, n: int, timeout_s: float) -> None:
         assert self._stub is not None
-        report = agent_pb2.WorkerReport(
-            job_id=self.spec.job_id, attempt=self.spec.attempt, rank=self.spec.rank,
-            events=columns.pack_events(batch), dropped_events=self.dropped)
         reply = self._stub.Report(report, timeout=timeout_s)
-        self.sent += len(batch)
+        self.sent += n
         for cmd in reply.commands:
             self.commands_received += 1
             if cmd.rank not in (-1, self.spec.rank):
@@ -255,16 +274,6 @@ class Reporter:
                 self.on_command(cmd)
             except Exception:  # noqa: BLE001 - a bad command must not stop reporting
                 log.exception("command handler failed for command %s", cmd.command_id)
-
-    def _requeue(self, batch: list[events_pb2.Event]) -> None:
-        with self._lock:
-            self._buffer.extendleft(reversed(batch))
-            self._inflight = 0
-            # Keep the newest events: they say where each rank is now.
-            while len(self._buffer) > self.max_buffered:
-                self._buffer.popleft()
-                self.dropped += 1
-        self.send_failures += 1
 
 
 def _next_tick(interval_s: float) -> float:

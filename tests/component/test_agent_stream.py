@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import grpc
@@ -189,6 +190,41 @@ def test_first_message_must_be_hello(controller) -> None:  # noqa: ANN001
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Connect(iter([batch]), metadata=((TOKEN_METADATA_KEY, TOKEN),), timeout=5))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_predecessors_batch_is_acked_under_its_epoch_and_a_later_epochs_is_refused(controller) -> None:  # noqa: ANN001
+    job_id, attempt = _job(controller.store)
+    hello = agent_pb2.AgentMessage(hello=agent_pb2.Hello(agent_id="agent-node-7", node_name="node-7",
+                                                         token=TOKEN, epoch=200))
+
+    def batch(epoch: int, seq: int, first: int) -> agent_pb2.AgentMessage:
+        return agent_pb2.AgentMessage(batch=agent_pb2.EventBatch(
+            agent_id="agent-node-7", epoch=epoch, seq=seq, events=_steps(job_id, attempt, 0, first, 3)))
+
+    with grpc.insecure_channel(controller.address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        # epoch 100's batch 4 (resent by its successor, twice), then the stream's own batch 1
+        done = threading.Event()
+
+        def outbound():  # noqa: ANN202 - the stream stays open until the last ack came back
+            yield from (hello, batch(100, 4, 1), batch(100, 4, 1), batch(200, 1, 4))
+            done.wait(10)
+
+        replies = []
+        call = stub.Connect(outbound(), metadata=((TOKEN_METADATA_KEY, TOKEN),), timeout=10)
+        for reply in call:
+            replies.append(reply)
+            if reply.WhichOneof("msg") == "ack" and reply.ack.epoch == 200:
+                done.set()
+                call.cancel()
+                break
+        acks = [(r.ack.epoch, r.ack.seq, r.ack.rejected) for r in replies if r.WhichOneof("msg") == "ack"]
+        assert acks[-1] == (200, 1, "") and set(acks[:-1]) == {(100, 4, "")}, acks
+        with pytest.raises(grpc.RpcError) as err:   # a batch of a later epoch is no predecessor's
+            list(stub.Connect(iter([hello, batch(300, 1, 7)]), metadata=((TOKEN_METADATA_KEY, TOKEN),),
+                              timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert sorted(s.step for s in controller.store.steps(job_id)) == list(range(1, 7))   # epoch 100's once
 
 
 def test_random_bytes_on_the_port_do_not_hurt_the_server(controller) -> None:  # noqa: ANN001

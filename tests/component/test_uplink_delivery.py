@@ -1,5 +1,6 @@
 """The uplink's delivery guarantees: batch bounds, spill to disk, backpressure, recorded
-drops when the spill disk fails, and batches the controller rejects.
+drops when the spill disk fails, batches the controller rejects, and the write-ahead log
+an agent killed mid-run leaves to its successor.
 
 Real gRPC servers on 127.0.0.1 (the controller over a real SQLite file, or a small
 recording AgentService where the test needs to script the controller's answers), a real
@@ -29,10 +30,12 @@ import pytest
 from fleet.agent.node_agent import NodeAgent
 from fleet.agent.settings import AgentSettings
 from fleet.agent.spool import Spool
+from fleet.agent import uplink
 from fleet.agent.uplink import Uplink
 from fleet.controlplane.agent_server import AgentRegistry
 from fleet.controlplane.lifecycle import JobState
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
+from fleet.proto.contract import EVENT_BATCH_EVENTS_TAG, EVENT_BATCH_MARKS_TAG
 from tests.component.conftest import TOKEN, start_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -334,30 +337,146 @@ def test_an_event_over_the_message_limit_is_dropped_and_reported(tmp_path: Path)
     assert (stats["dropped_events"], stats["dropped_batches"], stats["acked_events"]) == (1, 0, 10)
 
 
-def test_spill_left_by_an_earlier_run_is_reported_as_dropped_and_removed(tmp_path: Path) -> None:
+# An agent in a child process, killed mid-run by its parent (the worker): it prints its
+# local address, then one line per report it answered; it holds its partial batch (a 60 s
+# batch interval), so what it leaves is in flight, in cut batches and in its log.
+_AGENT_CHILD = r"""
+import logging, sys, time
+from fleet.agent.node_agent import NodeAgent
+from fleet.agent.settings import AgentSettings
+from tests.component.conftest import TOKEN
+
+address, spill = sys.argv[1], sys.argv[2]
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
+agent = NodeAgent(node_name="node-wal", controller_address=address, token=TOKEN, settings=AgentSettings(
+    batch_interval_s=60, batch_max_events=50, spill_dir=spill, gemm_interval_s=0))
+agent.start(connect_timeout_s=20)
+print(agent.local_address, flush=True)
+time.sleep(600)   # killed long before
+"""
+
+REPORT_EVENTS = 20
+
+
+def _report(job_id: str, attempt: int, report_id: int) -> agent_pb2.WorkerReport:
+    first = (report_id - 1) * REPORT_EVENTS + 1
+    return agent_pb2.WorkerReport(job_id=job_id, attempt=attempt, rank=0,
+                                  events=_steps(job_id, attempt, first, REPORT_EVENTS),
+                                  reporter="worker-1", report_id=report_id)
+
+
+def test_an_agent_killed_mid_run_loses_nothing_and_stores_nothing_twice(store, tmp_path: Path) -> None:  # noqa: ANN001
+    job_id, attempt = _job(store)
+    server, _ = start_server(store, AgentRegistry())
     spill = tmp_path / "spill"
-    dead = spill / "agent-node-0" / "1234"          # what a killed process of this agent left
-    dead.mkdir(parents=True)
-    for seq, n in ((7, 10), (8, 10), (9, 4)):
-        (dead / f"{seq:020d}.{n}.batch").write_bytes(b"x")
-    (dead / f"{10:020d}.3.batch.tmp").write_bytes(b"x")   # a write that never finished
-    live = Spool(spill, "agent-node-0", 5678)        # another live process: left alone
+    log_path = tmp_path / "agent.log"
+    successor = None
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-c", _AGENT_CHILD, server.address, str(spill)], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=log_file, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, log_path.read_text()
+        local = proc.stdout.readline().strip()
+        assert local, log_path.read_text()
+        with grpc.insecure_channel(local) as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            for report_id in range(1, 32):   # 620 events: 12 full batches cut, 20 events in the log
+                stub.Report(_report(job_id, attempt, report_id), timeout=15)
+        _wait(lambda: store.steps(job_id), what="some batches to be committed")
+        os.killpg(proc.pid, signal.SIGKILL)   # killed with its last batches unacknowledged
+        proc.wait(10)
+        assert store.last_step(job_id) < 31 * REPORT_EVENTS   # the log's 20 events were never sent
+
+        successor = NodeAgent(node_name="node-wal", controller_address=server.address, token=TOKEN,
+                              settings=AgentSettings(batch_interval_s=0.02, spill_dir=str(spill),
+                                                     gemm_interval_s=0))
+        successor.start(connect_timeout_s=20)
+        with grpc.insecure_channel(successor.local_address) as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            # the worker never heard back about report 31 (say): it sends it again, unchanged
+            stub.Report(_report(job_id, attempt, 31), timeout=15)
+            stub.Report(_report(job_id, attempt, 32), timeout=15)
+        assert successor.flush(30), successor.stats()
+        stats = successor.stats()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        if successor is not None:
+            successor.close()
+        server.close()
+    steps = [s.step for s in store.steps(job_id)]
+    assert sorted(steps) == list(range(1, 32 * REPORT_EVENTS + 1)), "events lost or stored twice"
+    # what the killed agent held went up again through its successor, and nothing is left
+    assert stats["resent_events"] >= REPORT_EVENTS and stats["dropped_events"] == 0, stats
+    assert store.ingest_drops() == []
+    assert not any((spill / "agent-node-wal").glob("*/*.batch"))
+
+
+def test_a_predecessors_log_is_adopted_from_whatever_point_it_died_at(tmp_path: Path) -> None:
+    """The crash windows of a cut, laid out by hand: a log whose cut batch was written but
+    not rotated, a log superseded by a newer one, a torn tail. Every answered report goes
+    up exactly once; the torn one does not (its worker sends it again)."""
+    spill = tmp_path / "spill"
+    events = _steps("j", 1, 1, 40)
+    fields = [uplink._length_delimited(EVENT_BATCH_EVENTS_TAG, e.SerializeToString()) for e in events]
+
+    def mark(report_id: int) -> bytes:
+        return uplink._length_delimited(EVENT_BATCH_MARKS_TAG, agent_pb2.ReportMark(
+            reporter="w", report_id=report_id).SerializeToString())
+
+    def header(epoch: int, seq: int) -> bytes:
+        return agent_pb2.EventBatch(agent_id="agent-node-0", epoch=epoch, seq=seq).SerializeToString()
+
+    # epoch 100: batch 1 (events 1-10) was written, then the process died before rotating
+    # log 1 (events 1-15, two reports); 10 of those are in the batch, 5 are live
+    a = spill / "agent-node-0" / "100"
+    a.mkdir(parents=True)
+    (a / f"{1:020d}.10.batch").write_bytes(header(100, 1) + b"".join(fields[0:10]))
+    (a / f"pending.{1:020d}.log").write_bytes(b"".join(fields[0:10]) + mark(1) + b"".join(fields[10:15]) + mark(2))
+    # epoch 200: log 3 was rotated into log 4 (events 21-25) but not yet deleted; log 4
+    # ends in a torn report (events 26-27 and half of 28, no mark)
+    b = spill / "agent-node-0" / "200"
+    b.mkdir(parents=True)
+    (b / f"{2:020d}.5.batch").write_bytes(header(200, 2) + b"".join(fields[15:20]))
+    (b / f"pending.{3:020d}.log").write_bytes(b"".join(fields[20:25]) + mark(7))
+    (b / f"pending.{4:020d}.log").write_bytes(b"".join(fields[20:25]) + mark(7) + b"".join(fields[25:27])
+                                               + fields[27][:7])
+    service = RecordingAgentService()
+    with _serve(service) as address:
+        up = _uplink(address, spill).start()
+        try:
+            assert up.durable("w", 7) and not up.durable("w", 8) and not up.durable("", 0)
+            assert up.flush(10), up.stats()
+            stats = up.stats()
+        finally:
+            up.close()
+    got = [(b.epoch, b.seq, [e.step.step for e in b.events]) for b in service.received]
+    assert got == [(100, 1, list(range(1, 11))), (100, 2, list(range(11, 16))),
+                   (200, 2, list(range(16, 21))), (200, 4, list(range(21, 26)))], got
+    assert stats["resent_events"] == 25 and stats["dropped_events"] == 0, stats
+    assert not a.exists() and not b.exists()
+
+
+def test_a_live_agents_folder_is_left_alone(tmp_path: Path) -> None:
+    spill = tmp_path / "spill"
+    live = Spool(spill, "agent-node-0", 5678)        # another live process of this agent
+    live.append(1, b"".join(uplink._length_delimited(EVENT_BATCH_EVENTS_TAG, e.SerializeToString())
+                            for e in _steps("j", 1, 1, 3)))
     service = RecordingAgentService()
     try:
         with _serve(service) as address:
             up = _uplink(address, spill).start()
             try:
                 assert up.flush(10)
-                # flush returns once gRPC took the report; the server reads it a moment later
-                _wait(lambda: service.drops, what="the drop report to reach the server")
             finally:
                 up.close()
-        assert [(d.epoch, d.first_seq, d.last_seq, d.events) for d in service.drops] == [(1234, 7, 9, 24)]
-        assert "restarted" in service.drops[0].reason
-        assert not dead.exists()
-        assert live.dir.is_dir()
+        assert service.received == [] and live.dir.is_dir()
     finally:
         live.close()
+    assert not live.dir.exists()
 
 
 # -- rejected batches --------------------------------------------------------------------

@@ -190,14 +190,27 @@ def test_a_partition_and_a_killed_agent_are_detected_and_training_goes_on(
     with store_of(tmp_path) as st:
         assert [a.kind for a in st.actions(summary["job_id"])].count("restart_agent") == 1
         rows = st.steps(summary["job_id"], attempt=1)
-    # the partitioned agent kept everything and delivered it once the partition ended;
-    # node-1's ranks report again through the new agent (what the killed agent held in
-    # memory, not yet committed, went down with it)
-    for rank in (0, 1):
-        assert sorted(s.step for s in rows if s.rank == rank) == list(range(1, STEPS + 1))
-    for rank in (2, 3):
-        seen = {s.step for s in rows if s.rank == rank}
-        assert set(range(1, 25)) <= seen and set(range(35, STEPS + 1)) <= seen, sorted(seen)
+        collectives = st.collectives(summary["job_id"], 1)
+        drops = st.ingest_drops()
+    # nothing was lost: the partitioned agent kept everything and delivered it once the
+    # partition ended; the killed agent's write-ahead log went up through its successor,
+    # and node-1's ranks sent what it never answered again
+    assert drops == [], drops
+    keys = [(s.rank, s.step) for s in rows]
+    assert sorted(keys) == [(r, n) for r in range(4) for n in range(1, STEPS + 1)], "step rows lost or doubled"
+    # every collective of every rank: each (rank, group) holds seq 1..n with no gap, every
+    # member of a group reached the same n, and every one of them completed
+    seqs: dict[tuple[int, str], list[int]] = {}
+    for c in collectives:
+        seqs.setdefault((c.rank, c.group), []).append(c.seq)
+    assert {r for r, _ in seqs} == {0, 1, 2, 3}
+    for (rank, group), got in seqs.items():
+        assert got == list(range(1, len(got) + 1)), (rank, group, got)
+    per_group: dict[str, set[int]] = {}
+    for (_, group), got in seqs.items():
+        per_group.setdefault(group, set()).add(len(got))
+    assert all(len(n) == 1 for n in per_group.values()), per_group
+    assert all(c.state == "completed" for c in collectives), {c.state for c in collectives}
 
 
 def test_a_rank_and_its_buddy_lost_with_a_corrupt_checkpoint_fall_back_to_an_older_one(

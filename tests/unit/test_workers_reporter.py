@@ -6,13 +6,15 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent import futures
 from datetime import timedelta
 
+import grpc
 import pytest
 import torch
 import torch.distributed as dist
 
-from fleet.proto import events_pb2
+from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from fleet.proto.kinds import FaultKind
 from tests.unit.test_workers_support import AgentServer, Ranks, free_port, wait_for_gate
 from fleet.workers.native_fr import NativeFlightTail
@@ -217,3 +219,52 @@ def test_native_entries_arrive_while_rank_is_blocked_in_collective(agent):
     assert result == {0: 1, 1: 1}
     for rank in (0, 1):
         assert [c.state for c in agent.of_kind("collective", rank=rank)][-1] == "completed"
+
+
+class _ForgetfulAgent(agent_pb2_grpc.NodeAgentServicer):
+    """Takes the first report with events, then fails the call, as an agent killed before
+    it answered; records every report with events."""
+
+    def __init__(self) -> None:
+        self.reports: list[agent_pb2.WorkerReport] = []
+        self._cond = threading.Condition()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="test-agent"))
+        agent_pb2_grpc.add_NodeAgentServicer_to_server(self, self._server)
+        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+
+    def Report(self, request, context):  # noqa: N802 - gRPC method name
+        if not request.events:
+            return agent_pb2.WorkerReply()
+        with self._cond:
+            self.reports.append(request)
+            self._cond.notify_all()
+            first = len(self.reports) == 1
+        if first:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "test: the agent died before answering")
+        return agent_pb2.WorkerReply()
+
+    def stop(self) -> None:
+        self._server.stop(0).wait(5)
+
+
+def test_a_report_that_got_no_answer_is_sent_again_unchanged():
+    agent = _ForgetfulAgent()
+    rep = Reporter(_spec(agent.address, interval_s=0.05))
+    try:
+        for n in range(5):
+            rep.emit(_step(n))
+        assert _until(lambda: len(agent.reports) >= 2, timeout_s=10)
+        for n in range(5, 8):
+            rep.emit(_step(n))
+        assert _until(lambda: sum(len(r.events) for r in agent.reports) >= 13, timeout_s=10)
+    finally:
+        rep.close()
+        agent.stop()
+    first, retry, *later = agent.reports
+    # the same number and the same events: an agent that logged it knows it by its number
+    assert retry == first and first.report_id >= 1 and first.reporter == rep.reporter_id
+    assert [e.step.step for e in first.events] == list(range(5))
+    assert [e.step.step for r in later for e in r.events] == [5, 6, 7]
+    assert all(r.report_id > first.report_id for r in later)
+    assert rep.send_failures == 1 and rep.pending == 0

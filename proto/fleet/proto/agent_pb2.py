@@ -26,37 +26,39 @@ _sym_db = _symbol_database.Default()
 from fleet.proto import events_pb2 as fleet_dot_proto_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leet/proto/agent.proto\x12\x08\x66leet.v1\x1a\x18\x66leet/proto/events.proto\"v\n\x0cWorkerReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x1f\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x0f.fleet.v1.Event\x12\x16\n\x0e\x64ropped_events\x18\x05 \x01(\x03\"2\n\x0bWorkerReply\x12#\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x11.fleet.v1.Command\"\x95\x01\n\x05Hello\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12\x13\n\x0bray_node_id\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\r\n\x05token\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x03\x12\x15\n\rlocal_address\x18\x08 \x01(\t\"[\n\nEventBatch\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0b\n\x03seq\x18\x03 \x01(\x03\x12\x1f\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x0f.fleet.v1.Event\"y\n\x0bHostMetrics\x12\x13\n\x0b\x63pu_percent\x18\x01 \x01(\x01\x12\r\n\x05load1\x18\x02 \x01(\x01\x12\x16\n\x0emem_used_bytes\x18\x03 \x01(\x03\x12\x17\n\x0fmem_total_bytes\x18\x04 \x01(\x03\x12\x15\n\rworkers_alive\x18\x05 \x01(\x05\"S\n\tHeartbeat\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07time_ns\x18\x02 \x01(\x03\x12#\n\x04host\x18\x03 \x01(\x0b\x32\x15.fleet.v1.HostMetrics\"\x83\x01\n\nDropReport\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x11\n\tfirst_seq\x18\x03 \x01(\x03\x12\x10\n\x08last_seq\x18\x04 \x01(\x03\x12\x0e\n\x06\x65vents\x18\x05 \x01(\x03\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0f\n\x07time_ns\x18\x07 \x01(\x03\"\xae\x01\n\x0c\x41gentMessage\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x0f.fleet.v1.HelloH\x00\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x14.fleet.v1.EventBatchH\x00\x12(\n\theartbeat\x18\x03 \x01(\x0b\x32\x13.fleet.v1.HeartbeatH\x00\x12$\n\x04\x64rop\x18\x04 \x01(\x0b\x32\x14.fleet.v1.DropReportH\x00\x42\x05\n\x03msg\"7\n\x07Welcome\x12\x15\n\rcontroller_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_seq\x18\x02 \x01(\x03\"3\n\x03\x41\x63k\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x10\n\x08rejected\x18\x03 \x01(\t\"\x84\x01\n\x11\x43ontrollerMessage\x12$\n\x07welcome\x18\x01 \x01(\x0b\x32\x11.fleet.v1.WelcomeH\x00\x12\x1c\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\r.fleet.v1.AckH\x00\x12$\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x11.fleet.v1.CommandH\x00\x42\x05\n\x03msg2D\n\tNodeAgent\x12\x37\n\x06Report\x12\x16.fleet.v1.WorkerReport\x1a\x15.fleet.v1.WorkerReply2R\n\x0c\x41gentService\x12\x42\n\x07\x43onnect\x12\x16.fleet.v1.AgentMessage\x1a\x1b.fleet.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leet/proto/agent.proto\x12\x08\x66leet.v1\x1a\x18\x66leet/proto/events.proto\"\x9b\x01\n\x0cWorkerReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x1f\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x0f.fleet.v1.Event\x12\x16\n\x0e\x64ropped_events\x18\x05 \x01(\x03\x12\x10\n\x08reporter\x18\x06 \x01(\t\x12\x11\n\treport_id\x18\x07 \x01(\x03\"2\n\x0bWorkerReply\x12#\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x11.fleet.v1.Command\"\x95\x01\n\x05Hello\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12\x13\n\x0bray_node_id\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\r\n\x05token\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x03\x12\x15\n\rlocal_address\x18\x08 \x01(\t\"\x80\x01\n\nEventBatch\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0b\n\x03seq\x18\x03 \x01(\x03\x12\x1f\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x0f.fleet.v1.Event\x12#\n\x05marks\x18\x05 \x03(\x0b\x32\x14.fleet.v1.ReportMark\"1\n\nReportMark\x12\x10\n\x08reporter\x18\x01 \x01(\t\x12\x11\n\treport_id\x18\x02 \x01(\x03\"y\n\x0bHostMetrics\x12\x13\n\x0b\x63pu_percent\x18\x01 \x01(\x01\x12\r\n\x05load1\x18\x02 \x01(\x01\x12\x16\n\x0emem_used_bytes\x18\x03 \x01(\x03\x12\x17\n\x0fmem_total_bytes\x18\x04 \x01(\x03\x12\x15\n\rworkers_alive\x18\x05 \x01(\x05\"S\n\tHeartbeat\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07time_ns\x18\x02 \x01(\x03\x12#\n\x04host\x18\x03 \x01(\x0b\x32\x15.fleet.v1.HostMetrics\"\x83\x01\n\nDropReport\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x11\n\tfirst_seq\x18\x03 \x01(\x03\x12\x10\n\x08last_seq\x18\x04 \x01(\x03\x12\x0e\n\x06\x65vents\x18\x05 \x01(\x03\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0f\n\x07time_ns\x18\x07 \x01(\x03\"\xae\x01\n\x0c\x41gentMessage\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x0f.fleet.v1.HelloH\x00\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x14.fleet.v1.EventBatchH\x00\x12(\n\theartbeat\x18\x03 \x01(\x0b\x32\x13.fleet.v1.HeartbeatH\x00\x12$\n\x04\x64rop\x18\x04 \x01(\x0b\x32\x14.fleet.v1.DropReportH\x00\x42\x05\n\x03msg\"7\n\x07Welcome\x12\x15\n\rcontroller_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_seq\x18\x02 \x01(\x03\"3\n\x03\x41\x63k\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x10\n\x08rejected\x18\x03 \x01(\t\"\x84\x01\n\x11\x43ontrollerMessage\x12$\n\x07welcome\x18\x01 \x01(\x0b\x32\x11.fleet.v1.WelcomeH\x00\x12\x1c\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\r.fleet.v1.AckH\x00\x12$\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x11.fleet.v1.CommandH\x00\x42\x05\n\x03msg2D\n\tNodeAgent\x12\x37\n\x06Report\x12\x16.fleet.v1.WorkerReport\x1a\x15.fleet.v1.WorkerReply2R\n\x0c\x41gentService\x12\x42\n\x07\x43onnect\x12\x16.fleet.v1.AgentMessage\x1a\x1b.fleet.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fleet.proto.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERREPORT']._serialized_start=63
-  _globals['_WORKERREPORT']._serialized_end=181
-  _globals['_WORKERREPLY']._serialized_start=183
-  _globals['_WORKERREPLY']._serialized_end=233
-  _globals['_HELLO']._serialized_start=236
-  _globals['_HELLO']._serialized_end=385
-  _globals['_EVENTBATCH']._serialized_start=387
-  _globals['_EVENTBATCH']._serialized_end=478
-  _globals['_HOSTMETRICS']._serialized_start=480
-  _globals['_HOSTMETRICS']._serialized_end=601
-  _globals['_HEARTBEAT']._serialized_start=603
-  _globals['_HEARTBEAT']._serialized_end=686
-  _globals['_DROPREPORT']._serialized_start=689
-  _globals['_DROPREPORT']._serialized_end=820
-  _globals['_AGENTMESSAGE']._serialized_start=823
-  _globals['_AGENTMESSAGE']._serialized_end=997
-  _globals['_WELCOME']._serialized_start=999
-  _globals['_WELCOME']._serialized_end=1054
-  _globals['_ACK']._serialized_start=1056
-  _globals['_ACK']._serialized_end=1107
-  _globals['_CONTROLLERMESSAGE']._serialized_start=1110
-  _globals['_CONTROLLERMESSAGE']._serialized_end=1242
-  _globals['_NODEAGENT']._serialized_start=1244
-  _globals['_NODEAGENT']._serialized_end=1312
-  _globals['_AGENTSERVICE']._serialized_start=1314
-  _globals['_AGENTSERVICE']._serialized_end=1396
+  _globals['_WORKERREPORT']._serialized_start=64
+  _globals['_WORKERREPORT']._serialized_end=219
+  _globals['_WORKERREPLY']._serialized_start=221
+  _globals['_WORKERREPLY']._serialized_end=271
+  _globals['_HELLO']._serialized_start=274
+  _globals['_HELLO']._serialized_end=423
+  _globals['_EVENTBATCH']._serialized_start=426
+  _globals['_EVENTBATCH']._serialized_end=554
+  _globals['_REPORTMARK']._serialized_start=556
+  _globals['_REPORTMARK']._serialized_end=605
+  _globals['_HOSTMETRICS']._serialized_start=607
+  _globals['_HOSTMETRICS']._serialized_end=728
+  _globals['_HEARTBEAT']._serialized_start=730
+  _globals['_HEARTBEAT']._serialized_end=813
+  _globals['_DROPREPORT']._serialized_start=816
+  _globals['_DROPREPORT']._serialized_end=947
+  _globals['_AGENTMESSAGE']._serialized_start=950
+  _globals['_AGENTMESSAGE']._serialized_end=1124
+  _globals['_WELCOME']._serialized_start=1126
+  _globals['_WELCOME']._serialized_end=1181
+  _globals['_ACK']._serialized_start=1183
+  _globals['_ACK']._serialized_end=1234
+  _globals['_CONTROLLERMESSAGE']._serialized_start=1237
+  _globals['_CONTROLLERMESSAGE']._serialized_end=1369
+  _globals['_NODEAGENT']._serialized_start=1371
+  _globals['_NODEAGENT']._serialized_end=1439
+  _globals['_AGENTSERVICE']._serialized_start=1441
+  _globals['_AGENTSERVICE']._serialized_end=1523
 # @@protoc_insertion_point(module_scope)

@@ -9,18 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerReport(_message.Message):
-    __slots__ = ("job_id", "attempt", "rank", "events", "dropped_events")
+    __slots__ = ("job_id", "attempt", "rank", "events", "dropped_events", "reporter", "report_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    REPORTER_FIELD_NUMBER: _ClassVar[int]
+    REPORT_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
     rank: int
     events: _containers.RepeatedCompositeFieldContainer[_events_pb2.Event]
     dropped_events: int
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ..., dropped_events: _Optional[int] = ...) -> None: ...
+    reporter: str
+    report_id: int
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ..., dropped_events: _Optional[int] = ..., reporter: _Optional[str] = ..., report_id: _Optional[int] = ...) -> None: ...
 
 class WorkerReply(_message.Message):
     __slots__ = ("commands",)
@@ -49,16 +53,26 @@ class Hello(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., node_name: _Optional[str] = ..., ray_node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., token: _Optional[str] = ..., epoch: _Optional[int] = ..., local_address: _Optional[str] = ...) -> None: ...
 
 class EventBatch(_message.Message):
-    __slots__ = ("agent_id", "epoch", "seq", "events")
+    __slots__ = ("agent_id", "epoch", "seq", "events", "marks")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    MARKS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     epoch: int
     seq: int
     events: _containers.RepeatedCompositeFieldContainer[_events_pb2.Event]
-    def __init__(self, agent_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ...) -> None: ...
+    marks: _containers.RepeatedCompositeFieldContainer[ReportMark]
+    def __init__(self, agent_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ..., marks: _Optional[_Iterable[_Union[ReportMark, _Mapping]]] = ...) -> None: ...
+
+class ReportMark(_message.Message):
+    __slots__ = ("reporter", "report_id")
+    REPORTER_FIELD_NUMBER: _ClassVar[int]
+    REPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    reporter: str
+    report_id: int
+    def __init__(self, reporter: _Optional[str] = ..., report_id: _Optional[int] = ...) -> None: ...
 
 class HostMetrics(_message.Message):
     __slots__ = ("cpu_percent", "load1", "mem_used_bytes", "mem_total_bytes", "workers_alive")

@@ -78,3 +78,6 @@ AGENT_MESSAGE_BATCH_TAG = length_delimited_tag(agent_pb2.AgentMessage.DESCRIPTOR
 #: Key of each element of ``EventBatch.events`` (repeated ``Event``): a repeated message
 #: field is encoded as the concatenation of its elements, each under this key.
 EVENT_BATCH_EVENTS_TAG = length_delimited_tag(agent_pb2.EventBatch.DESCRIPTOR.fields_by_name["events"])
+#: Key of each element of ``EventBatch.marks`` (repeated ``ReportMark``): the agent's
+#: write-ahead log puts one after the last event of each worker report.
+EVENT_BATCH_MARKS_TAG = length_delimited_tag(agent_pb2.EventBatch.DESCRIPTOR.fields_by_name["marks"])
