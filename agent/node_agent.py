@@ -426,7 +426,8 @@ class NodeAgent:
                 log.debug("%s: trace pull (command %s): nothing kept of job %s attempt %d for ranks %s",
                           self.agent_id, cmd.command_id, cmd.pull.job_id, cmd.pull.attempt, list(cmd.pull.ranks))
                 return
-            self._uplink.submit([events_pb2.Event(collectives=block)], timeout_s=30.0)
+            # the controller's diagnosis waits for it: not for the next batch interval
+            self._uplink.submit([events_pb2.Event(collectives=block)], timeout_s=30.0, urgent=True)
         except TimeoutError as exc:
             log.warning("%s: trace pull (command %s) not sent: %s", self.agent_id, cmd.command_id, exc)
         except Exception:  # the pull thread must never die silently

@@ -206,9 +206,11 @@ class Uplink:
         return self
 
     def submit(self, events: list[events_pb2.Event], timeout_s: float = 30.0,
-               mark: agent_pb2.ReportMark | None = None) -> None:
+               mark: agent_pb2.ReportMark | None = None, urgent: bool = False) -> None:
         """Queue events for the controller; with the write-ahead log, they are on disk
         when this returns. ``mark``: the worker report they came from (see ``durable``).
+        ``urgent``: the batch holding them goes out now, not after ``batch_interval_s``
+        (what a diagnosis waits for, e.g. a trace pull's answer).
 
         Blocks while memory and spill are both full; TimeoutError after ``timeout_s``
         (or once closed): then none of ``events`` was taken and the caller keeps them.
@@ -239,6 +241,8 @@ class Uplink:
             self._log(fields, mark_field)
             if not self._pending:
                 self._pending_since = time.monotonic()
+            if urgent:
+                self._pending_since = time.monotonic() - self._batch_interval_s
             self._pending.extend(fields)
             self._pending.append(mark_field)
             self._pending_events += len(fields)
@@ -414,13 +418,12 @@ class Uplink:
         fits_memory = self._mem_bytes + batch.size <= self._memory_max
         if self._wal:
             assert self._spool is not None
+            failure, was_ok = "", self._wal_ok
             try:
                 batch.path, self._wal_ok = self._spool.cut(batch.seq, n, data, b"".join(self._pending))
             except OSError as exc:
-                log.error("write-ahead log: batch %d (%d events) is in memory only (%s)",
-                          batch.seq, n, _oserror_text(exc))
+                failure = _oserror_text(exc)
                 self._wal_ok = False
-                self.unlogged_events += n
             if batch.path is not None:
                 self._spill_bytes += batch.size
                 self._spilled += 1
@@ -428,11 +431,15 @@ class Uplink:
                     batch.data = data
                     self._mem_bytes += batch.size
             elif self._mem_only_bytes + batch.size <= self._memory_max:
+                if was_ok:  # once per run of failures, not once per batch
+                    log.error("write-ahead log: batch %d (%d events) is in memory only (%s), and so are the "
+                              "next ones until a write succeeds", batch.seq, n, failure)
+                self.unlogged_events += n
                 batch.data = data
                 self._mem_bytes += batch.size
                 self._mem_only_bytes += batch.size
             else:
-                self._drop(batch.seq, batch.seq, n, "write-ahead log write failed and memory is full")
+                self._drop(batch.seq, batch.seq, n, f"write-ahead log write failed ({failure}) and memory is full")
                 return None
             self._unacked[batch.seq] = batch
             self._unacked_events += n

@@ -26,6 +26,11 @@ same pragmas (WAL, synchronous=NORMAL), one transaction per chunk; the best of c
 sizes 2,000 and 20,000 rows per run, median over runs. ``ratio_to_raw`` = SQLite ingest
 rate / that limit.
 
+The agents' write-ahead log, in the same runs: each SQLite run is repeated with the
+agents writing every submission to their log first, as a real node agent does
+(``agent.wal``: one append per submit, one file per batch). ``agent_wal_ratio`` = that
+rate / the rate without (median of per-run ratios).
+
 Latency: agents pace their submits to half the measured SQLite maximum for
 ``--latency-s`` seconds; a block's latency is from its submit to the agent to the ack of
 the batch holding it, which the controller sends after the commit (so an upper bound on
@@ -110,8 +115,10 @@ def serve_controller(url: str) -> int:
     return 0
 
 
-def serve_agent(address: str, index: int, events: int, block: int, rate: float) -> int:
-    """One synthetic agent: connect, wait for "go" on stdin, submit, wait for every ack."""
+def serve_agent(address: str, index: int, events: int, block: int, rate: float, spill_dir: str) -> int:
+    """One synthetic agent: connect, wait for "go" on stdin, submit, wait for every ack.
+    ``spill_dir``: with it, the agent writes every submission to its write-ahead log
+    first, as a real node agent does (``agent.wal``); without, memory only."""
     from fleet.agent.settings import AgentSettings
     from fleet.agent.uplink import Uplink
     from fleet.proto import agent_pb2, events_pb2
@@ -130,7 +137,7 @@ def serve_agent(address: str, index: int, events: int, block: int, rate: float) 
     uplink = Uplink(controller_address=address, token=TOKEN, hello=hello,
                     on_command=lambda _c: None,
                     heartbeat=lambda: agent_pb2.Heartbeat(agent_id=hello.agent_id, time_ns=time.time_ns()),
-                    settings=AgentSettings(heartbeat_interval_s=1.0), on_ack=on_ack).start()
+                    settings=AgentSettings(heartbeat_interval_s=1.0, spill_dir=spill_dir), on_ack=on_ack).start()
     if not uplink.wait_welcomed(30):
         print(json.dumps({"error": "not welcomed"}), flush=True)
         return 1
@@ -174,15 +181,18 @@ def _line(proc: subprocess.Popen) -> dict:
     return json.loads(line)
 
 
-def run_ingest(url: str, agents: int, events: int, block: int, rate_per_agent: float) -> dict:
-    """One run: a fresh controller on ``url`` and ``agents`` agents; returns rate, latencies."""
+def run_ingest(url: str, agents: int, events: int, block: int, rate_per_agent: float,
+               spill_dir: str = "") -> dict:
+    """One run: a fresh controller on ``url`` and ``agents`` agents (writing a write-ahead
+    log under ``spill_dir``, if given); returns rate, latencies."""
     ctl = _child("--serve-controller", url)
     procs: list[subprocess.Popen] = []
     try:
         address = _line(ctl)["address"]
         per_agent = events // agents
         procs = [_child("--serve-agent", address, "--index", str(i), "--events", str(per_agent),
-                        "--block", str(block), "--rate", str(rate_per_agent)) for i in range(agents)]
+                        "--block", str(block), "--rate", str(rate_per_agent), "--spill-dir", spill_dir)
+                 for i in range(agents)]
         for p in procs:
             if not _line(p).get("ready"):
                 raise RuntimeError("an agent did not connect")
@@ -264,18 +274,19 @@ def main() -> int:
     parser.add_argument("--serve-agent", metavar="ADDRESS", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--spill-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_controller:
         return serve_controller(args.serve_controller)
     if args.serve_agent:
-        return serve_agent(args.serve_agent, args.index, args.events, args.block, args.rate)
+        return serve_agent(args.serve_agent, args.index, args.events, args.block, args.rate, args.spill_dir)
 
     folder = Path(tempfile.mkdtemp(prefix="fleet-bench-ingest-"))
     out: dict[str, float | int | str] = {"agents": args.agents, "block": args.block}
     print(f"{args.agents} agents, blocks of {args.block} rows, {args.events:,} events per run, "
           f"{args.runs} runs per backend; files in {folder}", flush=True)
 
-    sqlite_rates, raw_rates = [], []
+    sqlite_rates, raw_rates, wal_rates = [], [], []
     for run in range(args.runs):
         url = f"sqlite:///{folder}/ingest-{run}.db"
         r = run_ingest(url, args.agents, args.events, args.block, 0.0)
@@ -288,10 +299,21 @@ def main() -> int:
         print(f"  sqlite run {run}: {r['events_per_s']:,.0f} events/s ({r['seconds']:.2f} s, "
               f"controller CPU {r['controller_cpu_s']:.1f} s, {rows:,} rows, none lost or doubled); "
               f"raw executemany {raw:,.0f} rows/s; ratio {r['events_per_s'] / raw:.2f}", flush=True)
+        # the same run with the agents' write-ahead log on (a real node agent's default)
+        wal_url = f"sqlite:///{folder}/ingest-wal-{run}.db"
+        w = run_ingest(wal_url, args.agents, args.events, args.block, 0.0, spill_dir=str(folder / f"wal-{run}"))
+        rows, keys = count_rows(wal_url)
+        if rows != w["events"] or keys != rows:
+            raise SystemExit(f"SQLite WAL run {run}: {rows} rows ({keys} keys) for {w['events']} events")
+        wal_rates.append(w["events_per_s"])
+        print(f"  sqlite run {run}, agents with a write-ahead log: {w['events_per_s']:,.0f} events/s "
+              f"({w['events_per_s'] / r['events_per_s']:.2f} x without)", flush=True)
     ev_sqlite, raw_rate = statistics.median(sqlite_rates), statistics.median(raw_rates)
     out.update(events_per_s_sqlite=round(ev_sqlite), raw_sqlite_rows_per_s=round(raw_rate),
                ratio_to_raw=round(ev_sqlite / raw_rate, 3),
-               ratio_to_raw_per_run=[round(a / b, 3) for a, b in zip(sqlite_rates, raw_rates)])
+               ratio_to_raw_per_run=[round(a / b, 3) for a, b in zip(sqlite_rates, raw_rates)],
+               events_per_s_sqlite_agent_wal=round(statistics.median(wal_rates)),
+               agent_wal_ratio=round(statistics.median(a / b for a, b in zip(wal_rates, sqlite_rates)), 3))
 
     half = ev_sqlite / 2
     events = int(half * args.latency_s) // args.agents * args.agents

@@ -256,7 +256,10 @@ class NativeFlightTail:
                     return 0
                 unread = _enqueued(status) - self._enqueued_at_dump
                 half_full = self.ring_entries and unread * 2 >= self.ring_entries
-                if now - self._last_dump < self.poll_interval_s and not half_full:
+                # half a probe early still counts as due: reads stay on the report
+                # cadence instead of drifting a probe later every time
+                due = self.poll_interval_s - self.probe_interval_s / 2
+                if now - self._last_dump < due and not half_full:
                     self.skipped += 1
                     return 0
             t0 = time.thread_time()
