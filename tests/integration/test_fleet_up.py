@@ -348,44 +348,6 @@ def test_ctrl_c_stops_the_job_and_tears_everything_down(tmp_path: Path) -> None:
     assert not (tmp_path / ".fleet" / "controller.json").exists()
 
 
-def test_fleet_up_attaches_to_an_existing_ray_cluster(tmp_path: Path) -> None:
-    """ray.address set: fleet uses the cluster it is given and leaves it running."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=3, node_ip_address="127.0.0.1", include_dashboard=False, object_store_memory=128 << 20))
-    try:
-        cluster.add_node(num_cpus=3, node_ip_address="127.0.0.1", object_store_memory=128 << 20)
-        cluster.wait_for_nodes(timeout=60)
-        cfg = yaml.safe_load(write_cluster(tmp_path, steps=12, checkpoint_interval=6).read_text())
-        cfg["ray"]["address"] = cluster.address
-        path = tmp_path / "attach.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-
-        run = FleetUp(tmp_path, path)
-        summary = run.finish()
-        assert summary["state"] == "SUCCEEDED" and summary["final_step"] == 12
-        with store_of(tmp_path) as store:
-            nodes = {r.node for r in store.ranks(summary["job_id"], 1)}
-        # nodes without fleet's local resource labels are named by address and Ray node id
-        assert len(nodes) == 2 and all(n.startswith("127.0.0.1-") for n in nodes)
-        # the cluster fleet attached to is still alive, with none of fleet's actors left on it
-        ray.init(address=cluster.address, log_to_driver=False)
-        try:
-            assert sum(1 for n in ray.nodes() if n["Alive"]) == 2
-            from ray._private.state import actors  # the state API needs the dashboard
-
-            seen = actors().values()
-            assert len(seen) >= 6, "fleet's 2 agents and 4 workers should be on record"
-            alive = [a["Name"] or a["ActorID"] for a in seen if a["State"] == "ALIVE"]
-            assert alive == [], f"fleet left actors running: {alive}"
-        finally:
-            ray.shutdown()
-    finally:
-        cluster.shutdown()
-
-
 def _cluster_with(tmp: Path, ray_nodes: int, **job: object) -> Path:
     path = write_cluster(tmp, **job)
     cfg = yaml.safe_load(path.read_text())

@@ -6,7 +6,8 @@ Asserted: the job succeeds; the store's nodes are the Ray nodes (their IDs, name
 address Ray reports); exactly one agent runs on each Ray node and each sent its host health; the
 ranks run on both nodes (each rank's process descends from its node's raylet); every
 listening socket of `fleet up`, the Ray daemons, the agents and the ranks is on loopback;
-and ending the two CLI processes by PID leaves none of their processes behind.
+the cluster is still up afterwards with none of fleet's actors alive on it; and ending the two
+CLI processes by PID leaves none of their processes behind.
 
 Why the second node starts through a two-line wrapper of Ray's own CLI entry point: with
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (Ray's switch that keeps a node on loopback) `ray
@@ -59,6 +60,17 @@ _NODES = (
     "    time.sleep(0.2)\n"
     "print(json.dumps([{'id': n['NodeID'], 'ip': n['NodeManagerAddress'], 'cpus': n['Resources'].get('CPU')}"
     " for n in alive]))\n"
+    "ray.shutdown()\n"
+)
+
+#: After `fleet up`: the cluster's alive nodes, and fleet's actors on record and still alive.
+_AFTER = (
+    "import json, sys, ray\n"
+    "from ray._private.state import actors\n"
+    "ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)\n"
+    "seen = list(actors().values())\n"
+    "print(json.dumps({'nodes': sum(1 for n in ray.nodes() if n['Alive']), 'actors': len(seen),\n"
+    "                  'alive': [a['Name'] or a['ActorID'] for a in seen if a['State'] == 'ALIVE']}))\n"
     "ray.shutdown()\n"
 )
 
@@ -237,6 +249,13 @@ def test_fleet_up_attaches_to_a_cluster_started_with_the_ray_cli(tmp_path: Path,
             assert r.pid in run.pids_under(cli.name), f"rank {r.rank} (pid {r.pid}) not under {cli.name}'s raylet"
         run.assert_loopback_only()
         run.assert_tree_gone()
+        # the cluster fleet attached to is still up, with none of fleet's actors left on it
+        after = subprocess.run([sys.executable, "-c", _AFTER, address], env=base, capture_output=True,
+                               text=True, timeout=120)
+        assert after.returncode == 0, after.stderr[-3000:]
+        state = json.loads(after.stdout.strip().splitlines()[-1])
+        assert state["nodes"] == 2 and state["actors"] >= 4, state   # 2 agents and 2 ranks on record
+        assert state["alive"] == [], f"fleet left actors running: {state['alive']}"
     finally:
         if run is not None and run.proc.poll() is None:
             run.proc.kill()
