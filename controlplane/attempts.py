@@ -165,10 +165,12 @@ class AttemptRunner:
             max(cfg.job.spare_workers_per_node, cfg.job.ranks_per_node)
         pool = self._pool = self._runtime.pool(spares, program)
         first = recovery is None  # a resumed job has had its first attempt
+        warm_up = cfg.job.ranks_per_node  # no process of this run yet: start them early
         while True:
             t_place = time.monotonic()
             self.store.set_job_state(job.job_id, JobState.PLACING, "placing worker group")
-            chosen = self._checked_nodes(nodes)
+            chosen = self._checked_nodes(nodes, warm_up)
+            warm_up = 0
             if chosen is None:
                 return JobState.STOPPED, job.stop_reason
             placement = [n for n in chosen for _ in range(cfg.job.ranks_per_node)]
@@ -456,11 +458,14 @@ class AttemptRunner:
                             + incident.evidence)
         return incident
 
-    def _checked_nodes(self, nodes: list[NodeInfo]) -> list[NodeInfo] | None:
+    def _checked_nodes(self, nodes: list[NodeInfo], warm_up: int = 0) -> list[NodeInfo] | None:
         """The healthy nodes of the next attempt, their agents running and (``sdc.preflight``)
         each having passed the known-answer GEMM test. A node that fails it is quarantined
         (``node_checks``) and the nodes are chosen again; one whose test could not run is
-        used (the test says nothing about it) and the reason is shown. None if stopped."""
+        used (the test says nothing about it) and the reason is shown. None if stopped.
+
+        ``warm_up``: start that many processes per chosen node while the test runs (their
+        interpreter and torch load overlap it; a node that fails drops its own)."""
         while True:
             chosen = self._healthy_nodes(nodes)
             if chosen is None:
@@ -468,6 +473,8 @@ class AttemptRunner:
             self._restore_agents(chosen)
             if self._node_checks is None or not self.config.sdc.preflight:
                 return chosen
+            if warm_up and self._pool is not None:
+                self._pool.warm_up(chosen, warm_up)
             results = self._node_checks.preflight([n.name for n in chosen], PREFLIGHT_TIMEOUT_S,
                                                   job_id=self.job.job_id, attempt=self.job.attempt)
             failed = [c for c in results.values() if c.verdict == node_checks.FAILED]

@@ -243,9 +243,15 @@ class WorkerPool:
 
     def fill_spares(self, nodes: list[NodeInfo]) -> None:
         """Start warm spares on ``nodes`` up to ``spares_per_node`` each (non-blocking)."""
+        self.warm_up(nodes, self._spares_per_node)
+
+    def warm_up(self, nodes: list[NodeInfo], per_node: int) -> None:
+        """Start idle processes on ``nodes`` up to ``per_node`` each (non-blocking): before
+        a first placement, so that their start overlaps the pre-flight checks; ``acquire``
+        takes them first."""
         for node in nodes:
             spares = self._spares.setdefault(node.name, [])
-            while len(spares) < self._spares_per_node:
+            while len(spares) < per_node:
                 spares.append(self._new(node))
 
     def acquire(self, placement: list[NodeInfo]) -> tuple[list[Any], int]:

@@ -166,6 +166,9 @@ class Pool(Protocol):
     def fill_spares(self, nodes: list[NodeInfo]) -> None:
         """Start warm spare processes on ``nodes`` (non-blocking)."""
 
+    def warm_up(self, nodes: list[NodeInfo], per_node: int) -> None:
+        """Start idle processes on ``nodes`` up to ``per_node`` each (non-blocking)."""
+
     def acquire(self, placement: list[NodeInfo]) -> tuple[list[Process], int]:
         """One process per rank of ``placement``, and how many were reused."""
 

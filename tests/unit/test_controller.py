@@ -119,6 +119,9 @@ class InMemoryPool:
     def fill_spares(self, nodes: list[NodeInfo]) -> None:
         pass
 
+    def warm_up(self, nodes: list[NodeInfo], per_node: int) -> None:
+        pass
+
     def acquire(self, placement: list[NodeInfo]) -> tuple[list[Process], int]:
         return [next(self._pids) for _ in placement], 0
 
