@@ -633,20 +633,12 @@ def _detector(kind: str, what: str) -> Any:
 class DetectConfig(_Section):
     """Live failure detection while an attempt runs (the controller's watchdog)."""
 
-    interval_s: float = Field(
-        0.1, gt=0, le=60,
-        description="Seconds between the watchdog's checks; it also checks at the moment a stall reaches the "
-        "hang threshold (or the point before it where the flight recorder is first consulted), and when "
-        "entries pulled from a large job's agents arrive.",
-    )
+    interval_s: float = Field(0.2, gt=0, le=60, description="Seconds between the watchdog's checks.")
     hang_factor: float = Field(
         3.0, ge=1, le=1000,
         description="Hang threshold: this many times the median recent step time (or hang_floor_s, if "
-        "longer). Once no rank has finished a step for that long (the latency of step reports allowed for), "
-        "the flight recorder names the rank the others wait for; only waits older than the threshold less "
-        "one median step count. "
-        "It is consulted ahead of the threshold, so that its verdict is settled when the threshold passes "
-        "(not while a rank is in a named phase).",
+        "longer). Once no rank has finished a step for that long (telemetry latency allowed for), the "
+        "flight recorder is asked which rank the others wait for; only waits older than the threshold count.",
     )
     hang_floor_s: float = Field(1.0, gt=0, le=86400, description="Shortest hang threshold, seconds.")
     unconfirmed_hang_s: float = Field(

@@ -220,47 +220,6 @@ def collective_stall_reason(stalled_s: float, threshold_s: float, largest_gap_s:
     return f"no collective entered or completed for {stalled_s:.1f} s, threshold {threshold_s:.1f} s {source}"
 
 
-def hang_settle_s(threshold_s: float, step_s: float) -> float:
-    """Waits the flight recorder counts when ranks finished no step past the hang
-    threshold: those older than the threshold less one step (``step_s``, the median step
-    time), never less than half the threshold. The collective a hung rank never entered
-    began at most a step after the last step end, so its waits are at least that old once
-    the stall passes the threshold; and a rank missing from it is then later than any
-    normal arrival skew, since the stall itself shows no step could end without it."""
-    return max(threshold_s - step_s, threshold_s / 2)
-
-
-def warm_diagnosis_from_s(threshold_s: float, stable_s: float) -> float:
-    """How long a stall lasts, seconds, before the flight recorder is consulted ahead of
-    the hang threshold: ``2 x stable_s`` before it, so that a verdict has held for
-    ``stable_s`` (the watchdog's ``VERDICT_STABLE_S``) when the threshold passes, and never
-    before half of it (a slow step rarely gets that far)."""
-    return max(threshold_s / 2, threshold_s - 2 * stable_s)
-
-
-def prefetch_from_s(threshold_s: float, round_trip_s: float, interval_s: float) -> float:
-    """How long a large job's stall lasts, seconds, before the raw entries of the suspect
-    its collective fronts show are asked for: early enough that the agents' reply
-    (``round_trip_s``) is stored, and ``interval_s`` to spare, when the hang threshold
-    passes; never before a third of it (a pull per slow step would be waste), never later
-    than half of it (the reply has time)."""
-    return max(threshold_s / 3, min(threshold_s / 2, threshold_s - round_trip_s - interval_s))
-
-
-def verdict_clock_restarts(held: tuple, held_settle_s: float, new: tuple, new_settle_s: float) -> bool:
-    """Whether a flight-recorder verdict ``new`` = ``(verdict, culprits)``, from a diagnosis
-    counting waits older than ``new_settle_s``, restarts the time the verdict ``held`` (first
-    seen at ``held_settle_s``) has been stable. Any change does, except that a diagnosis
-    with a longer settle naming no culprit is no news about one named at a shorter settle:
-    the waits it hides are only not that old yet (a warm verdict made ahead of the
-    threshold stays stable as the threshold passes)."""
-    if new == held:
-        return False
-    named = bool(held) and held[0] in ("hang", "mismatch") and bool(held[1])
-    names = new[0] in ("hang", "mismatch") and bool(new[1])
-    return not (named and not names and new_settle_s > held_settle_s)
-
-
 def _confirmed(verdict: str | None, culprit_ranks: Sequence[int], summary: str, nodes: Sequence[str],
                why: str) -> Incident | None:
     """The incident of a flight-recorder verdict that names culprits, else None."""
@@ -289,9 +248,8 @@ def decide_hang(stalled_s: float, threshold_s: float, unconfirmed_s: float, verd
 
     Past ``threshold_s`` the flight recorder decides: a hang verdict names the rank the
     others wait for (a mismatch verdict makes it a desync). The verdict must come from a
-    diagnosis that counts only long waits (``DiagnosisConfig.settle_s``: ``hang_settle_s``
-    for a step stall, else the threshold), since ranks normally enter a collective at
-    different times. Without a verdict naming
+    diagnosis that counts only waits older than the threshold (``DiagnosisConfig.settle_s``),
+    since ranks normally enter a collective at different times. Without a verdict naming
     a culprit, the stall is a hang once it is ``unconfirmed_s`` past the threshold, blamed
     on the rank with the oldest ``progress`` (rank -1 when none stands out).
     ``verdict`` None: no diagnosis could be made. ``why`` describes the stall in the

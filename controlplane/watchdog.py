@@ -1,15 +1,11 @@
 """The controller's watchdog: live failure detection while an attempt runs.
 
-One named daemon thread (``fleet-watchdog``) wakes every ``detect.interval_s``, and
-sooner at the moment a stall reaches a point where a hang judgement changes (its
-threshold, or the point before it where the flight recorder is first consulted) and
-when entries pulled from a large job's agents arrive, and applies the pure decisions of
-``controlplane.detectors`` to what it has seen:
+One named daemon thread (``fleet-watchdog``) wakes every ``detect.interval_s`` and
+applies the pure decisions of ``controlplane.detectors`` to what it has seen:
 
   * hang: no rank finished a step for longer than the hang threshold, confirmed by a
-    flight-recorder diagnosis of the attempt's newest collectives (ranks waiting, longer
-    than the threshold less one step (``detectors.hang_settle_s``), in a collective
-    another rank never entered); unconfirmed after
+    flight-recorder diagnosis of the attempt's newest collectives (ranks waiting longer
+    than the threshold in a collective another rank never entered); unconfirmed after
     ``unconfirmed_hang_s`` more. Before the first step: ``startup_timeout_s``.
     A job that reports no steps (a user's program without ``fleet.step``) is judged from
     its collectives alone, once a few gaps between each rank's consecutive collective
@@ -42,33 +38,18 @@ Timing: progress is measured with the workers' own wall-clock timestamps (a step
 ``end_ns``, a collective's ``enter_ns``; all ranks share one clock), so reporting latency
 does not delay detection. But what has not arrived yet is unknown, so every judgement is
 made as of ``now - telemetry lag``: the lag is measured, as the most a recent batch's
-oldest new timestamp trailed its arrival. A stall of a job with steps is judged from
-step ends, so the lag allowed for is that of the batches with step rows (a step report
-waits for one report interval and one agent batch); without steps it is that of every
-batch (collective starts and completions, which also wait for the worker's read of its
-flight-recorder ring). The diagnosis is made as of the same moment: a rank whose entry
-into the collective the others wait in is still on its way entered it at most a
-collective lag ago, by when the stall (certain, as of the step lag) shows no step could
-end without it for the threshold, so it is the rank that held the job up.
-The flight recorder's verdict must hold for ``VERDICT_STABLE_S``; so that this does not
-add to the detection time, a job with raw collectives is diagnosed ahead of the
-threshold (from ``detectors.warm_diagnosis_from_s``, counting waits older than half the
-threshold: kind "warm"), and a verdict that held then still holds when the threshold
-passes (``detectors.verdict_clock_restarts``). Not while a rank is in a named phase
-(checkpointing, eval, a program's own), which may run long legitimately: there the
-verdict must hold past the threshold. A hang starting at T (the last step end) is thus
-reported at about T + threshold + step lag, plus a diagnosis.
+oldest new timestamp (step end, collective start; without steps also a collective's
+completion) trailed its arrival. A hang starting at T is thus reported at about
+T + threshold + lag + one interval, plus ``VERDICT_STABLE_S`` (rounded up to whole
+intervals) for the flight recorder's verdict to hold.
 
 A large job (its agents send collective fronts, not collectives): the fronts are folded
 into ``controlplane.wavefront.Wavefronts``; while a hang is suspected, its verdict names
 the suspects and their groups, the agents of those groups' members are asked for their
-newest ``PULL_ENTRIES`` raw entries (a ``TracePull`` through ``send``; already before the
-hang threshold, ``detectors.prefetch_from_s``, so that they are stored when it passes:
-the reply passes the agents' batching, as step reports do, so the step lag bounds its
-round trip; not while a rank is in a named phase), and once every member's entries are
-stored, each up to where its front stood when they were asked for (entries of an
-earlier pull are not its answer), the flight recorder diagnoses those groups. Entries
-that do not come within ``PULL_WAIT_S`` leave the decision to the fronts' own verdict. The
+newest ``PULL_ENTRIES`` raw entries (a ``TracePull`` through ``send``; already at half
+the hang threshold, so that they are stored when it passes), and once every
+member's entries are stored the flight recorder diagnoses those groups. Entries that do
+not come within ``PULL_WAIT_S`` leave the decision to the fronts' own verdict. The
 straggler check and the collective-cadence hang threshold of jobs without steps need raw
 collectives: a large job is judged by its steps (or the start-up timeout) instead.
 
@@ -100,7 +81,7 @@ from fleet.controlplane import detectors
 from fleet.controlplane.config import ControllerConfig, DetectConfig
 from fleet.controlplane.detectors import Incident
 from fleet.controlplane.sdc import SdcVerdict
-from fleet.controlplane.diagnosis import Diagnosis, DiagnosisConfig, TraceSet, diagnose, recent_traces
+from fleet.controlplane.diagnosis import Diagnosis, DiagnosisConfig, diagnose, recent_traces
 from fleet.controlplane.store import CollectiveRow, Store
 from fleet.controlplane.store.ingest import PreparedBatch
 from fleet.controlplane.wavefront import FrontVerdict, Wavefronts
@@ -144,9 +125,6 @@ ARRIVALS_PER_STEP = 4096
 PULL_ENTRIES = 32
 #: How long the watchdog waits for pulled entries before it decides on the fronts alone.
 PULL_WAIT_S = 2.0
-#: A batch of pulled entries is diagnosed this long after it arrives (it is observed just
-#: before it is committed).
-PULL_SETTLE_S = 0.1
 
 #: Seconds between recomputations of the step-based hang threshold (a median over up to
 #: STEP_TIMES_PER_RANK steps of every rank: 80,000 values at 4,096 ranks).
@@ -203,8 +181,7 @@ class _Watched:
     last_end_ns: dict[int, int] = field(default_factory=dict)
     last_enter_ns: dict[int, int] = field(default_factory=dict)
     coll_progress_ns: int = 0                 # newest collective enter or completion, any rank
-    lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))       # any rows
-    step_lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))  # step rows
+    lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))
     loss_step: int = -1                       # newest step whose loss was judged
     failed: bool = False                      # a rank reported FAILED
     phases: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (since ns, phase)
@@ -219,10 +196,6 @@ class _Watched:
     next_diagnosis: float = 0.0               # monotonic
     verdict_key: tuple = ()                   # (verdict, culprits) of the newest diagnosis
     verdict_since: float = 0.0                # monotonic: since when it has stayed the same
-    verdict_settle: float = 0.0               # the settle_s of the diagnosis that first gave it
-    diagnosis_settle: float = 0.0             # the settle_s of the newest diagnosis
-    diagnosis_warm: bool = False              # ... made ahead of the threshold ("warm")
-    due: float = math.inf                     # monotonic: when a hang judgement next changes (wake then)
     sdc_read_at: float = math.inf             # monotonic: read the store's SDC rows then
     sdc_next_poll: float = 0.0                # monotonic: ... and at the latest then
     threshold_s: float = 0.0                  # the step-based hang threshold, as last computed
@@ -230,7 +203,6 @@ class _Watched:
     fronts: Wavefronts | None = None          # a large job's collective fronts (None: raw collectives)
     pull_key: tuple = ()                      # (verdict, culprits, groups) whose raw entries were asked for
     pull_sent: float = 0.0                    # monotonic: when
-    pull_expect: dict[tuple[int, str], int] = field(default_factory=dict)  # (rank, group) -> front seq then
 
 
 class Watchdog:
@@ -269,7 +241,6 @@ class Watchdog:
         self._heard: dict[str, float] = {}    # node -> monotonic time its agent was last heard
         self._total_steps: int | None = None
         self._stop = threading.Event()
-        self._wake = threading.Event()        # set: check now (pulled entries came, or closing)
         self._thread: threading.Thread | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -285,7 +256,6 @@ class Watchdog:
         """Stop firing and stop the thread (idempotent)."""
         self.pause()
         self._stop.set()
-        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -326,29 +296,15 @@ class Watchdog:
             return
         if batch.steps or batch.collectives or batch.statuses or batch.sdc or batch.fronts or batch.groups:
             self._inbox.append((time.time_ns(), batch))
-            w = self._watched
-            if batch.collectives and w is not None and w.pull_key:
-                self._wake.set()  # a large job's pulled entries, awaited by a suspected hang
 
     # -- the thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self._wait_s())
-            self._wake.clear()
-            if self._stop.is_set():
-                return
+        while not self._stop.wait(self._cfg.interval_s):
             try:
                 self._tick()
             except Exception:  # noqa: BLE001 - the watchdog must outlive a bad check
                 log.exception("watchdog check failed")
-
-    def _wait_s(self) -> float:
-        """Until the next check: one interval, or less when a hang judgement changes sooner
-        (a stall reaching the threshold, or a point before it; ``_Watched.due``)."""
-        w = self._watched
-        due = w.due if w is not None else math.inf
-        return max(0.0, min(self._cfg.interval_s, due - time.monotonic()))
 
     def _tick(self) -> None:
         batches = []
@@ -361,14 +317,9 @@ class Watchdog:
             w = self._watched
             if w is None:
                 return
-            w.due = math.inf
             for arrival_ns, batch in batches:
                 found += self._ingest(w, arrival_ns, batch)
             self._fronts(w, batches)
-            if w.pull_key and w.fronts is not None and any(batch.collectives for _, batch in batches):
-                # pulled entries came: diagnose them once they are committed, not an interval later
-                w.next_diagnosis = now + PULL_SETTLE_S
-                self._wake_at(w, w.next_diagnosis)
             if self._paused:
                 return
             found += self._agents(w, now)
@@ -408,14 +359,13 @@ class Watchdog:
         """Fold one batch's rows of the watched attempt into ``w``; incidents they complete."""
         job, number, cfg = self._job_id, w.number, self._cfg
         found: list[Incident] = []
-        oldest_new = oldest_step = None
+        oldest_new = None
         nonfinite: tuple[int, int, float] | None = None  # (step, rank, loss): the batch's first NaN
         for s in batch.step_rows():
             if s.job_id != job or s.attempt != number:
                 continue
             rank, step, end_ns = s.rank, s.step, s.end_ns
             oldest_new = end_ns if oldest_new is None else min(oldest_new, end_ns)
-            oldest_step = end_ns if oldest_step is None else min(oldest_step, end_ns)
             took = s.step_time_s
             prev_end = w.last_end_ns.get(rank)
             if prev_end is not None and step == w.last_step.get(rank, -1) + 1:
@@ -454,8 +404,6 @@ class Watchdog:
             found += self._stragglers(w)
         if oldest_new is not None:
             w.lags.append(max(0.0, (arrival_ns - oldest_new) / 1e9))
-        if oldest_step is not None:
-            w.step_lags.append(max(0.0, (arrival_ns - oldest_step) / 1e9))
         return found
 
     def _fronts(self, w: _Watched, batches: list[tuple[int, PreparedBatch]]) -> None:
@@ -577,34 +525,26 @@ class Watchdog:
 
     # -- hangs ----------------------------------------------------------------------------
 
-    def _lag_s(self, w: _Watched, steps: bool) -> float:
-        """Telemetry latency to allow for, bounded: the worst of recent batches with step
-        rows (``steps``: a stall judged from step ends), else of all recent batches."""
-        return min(max(w.step_lags if steps else w.lags, default=0.0), self._cfg.unconfirmed_hang_s)
-
-    @staticmethod
-    def _wake_at(w: _Watched, when: float) -> None:
-        w.due = min(w.due, when)
+    def _lag_s(self, w: _Watched) -> float:
+        """Telemetry latency to allow for: the worst of recent batches, bounded."""
+        return min(max(w.lags, default=0.0), self._cfg.unconfirmed_hang_s)
 
     def _suspect(self, w: _Watched, now_ns: int, now: float, total_steps: int | None) -> tuple | None:
-        """``(kind, seconds, threshold_s, settle_s, horizon_ns, progress, why)`` when a hang
-        is suspected: kind "startup" (no step yet, nor a known collective cadence) or "stall"
-        (``why``: the stall's evidence, None for the default); kind "warm" when a stall of a
-        job with raw collectives nears its threshold outside any named phase (the flight
-        recorder is consulted ahead of it); None otherwise. ``settle_s``: the flight
-        recorder counts waits older than this (``detectors.hang_settle_s`` for a step stall)."""
+        """``(kind, seconds, threshold_s, horizon_ns, progress, why)`` when a hang is
+        suspected: kind "startup" (no step yet, nor a known collective cadence) or "stall"
+        (``why``: the stall's evidence, None for the default); None otherwise."""
         cfg = self._cfg
         if w.failed or (IncidentKind.HANG,) in w.fired:
             return None
-        lag = self._lag_s(w, steps=bool(w.last_end_ns))
-        horizon_ns = now_ns - int(lag * 1e9)
+        lag_ns = int(self._lag_s(w) * 1e9)
+        horizon_ns = now_ns - lag_ns
         if not w.last_end_ns:
             if w.gaps.known() >= MIN_COLLECTIVE_GAPS_PER_RANK * max(len(w.nodes), 1):
                 return self._collective_suspect(w, now_ns, horizon_ns)
             waited = now - w.started
             if waited <= cfg.startup_timeout_s:
                 return None
-            return "startup", waited, cfg.hang_floor_s, cfg.hang_floor_s, horizon_ns, {}, None
+            return "startup", waited, cfg.hang_floor_s, horizon_ns, {}, None
         if total_steps and max(w.last_step.values()) >= total_steps:  # 0: a program's, unknown
             return None  # the last step is done: ranks are finishing
         stalled = (horizon_ns - max(w.last_end_ns.values())) / 1e9
@@ -613,29 +553,12 @@ class Watchdog:
             w.threshold_due = now + THRESHOLD_EVERY_S
         threshold, note = self._phase_threshold(w, w.threshold_s)
         if stalled <= threshold:
-            self._wake_at(w, now + threshold - stalled)
-            # a named phase may run long, legitimately: the flight recorder is not consulted
-            # ahead of the threshold there, so its verdict must hold past it
-            ahead = not any(phase for _, phase in w.phases.values())
-            if ahead and w.fronts is not None and w.fronts.rows_applied:
-                # the pull's reply passes the agents' batching, as step rows do: lag bounds it
-                ask = detectors.prefetch_from_s(threshold, lag, cfg.interval_s)
-                if stalled > ask:
-                    self._prefetch(w, horizon_ns, ask / 2)
-                else:
-                    self._wake_at(w, now + ask - stalled)
-                return None
-            warm = detectors.warm_diagnosis_from_s(threshold, VERDICT_STABLE_S)
-            if ahead and stalled > warm:
-                return "warm", stalled, threshold, threshold / 2, horizon_ns, {}, None
-            w.verdict_key = ()  # not near the threshold: the next stall's verdict is timed afresh
-            if ahead:
-                self._wake_at(w, now + warm - stalled)
+            if stalled > threshold / 2:
+                self._prefetch(w, horizon_ns, threshold / 2)
             return None
         why = f"no rank finished a step for {stalled:.1f} s (hang threshold {threshold:.1f} s: {note})" \
             if note else None
-        settle = detectors.hang_settle_s(threshold, w.threshold_s / cfg.hang_factor)
-        return "stall", stalled, threshold, settle, horizon_ns, self._progress(w, now_ns), why
+        return "stall", stalled, threshold, horizon_ns, self._progress(w, now_ns), why
 
     def _phase_threshold(self, w: _Watched, threshold_s: float) -> tuple[float, str]:
         """The hang threshold given the phases the ranks are in, and the evidence's note."""
@@ -645,15 +568,17 @@ class Watchdog:
         return detectors.phase_hang_threshold(threshold_s, phases, self._cfg.phase_timeouts_s)
 
     def _prefetch(self, w: _Watched, horizon_ns: int, settle_s: float) -> None:
-        """A large job stalled for part of its hang threshold (``detectors.prefetch_from_s``):
-        ask for the raw entries of the suspect the fronts show already, so that they are
-        stored when the threshold passes (a hang's entries no longer change; a stall that
-        resolves cost one small pull)."""
+        """A large job stalled for half its hang threshold: ask for the raw entries of the
+        suspect the fronts show already, so that they are stored when the threshold passes
+        (a hang's entries no longer change; a stall that resolves cost one small pull)."""
         if self._send is None or w.fronts is None or not w.fronts.rows_applied:
             return
         front = w.fronts.verdict(horizon_ns, settle_s)
         if front is not None:
-            self._pull(w, front)
+            key = (front.verdict, tuple(front.culprits), tuple(front.groups))
+            if key != w.pull_key:
+                w.pull_key, w.pull_sent = key, time.monotonic()
+                self._pull(w, front)
 
     def _collective_suspect(self, w: _Watched, now_ns: int, horizon_ns: int) -> tuple | None:
         """A job without steps: stalled since its newest collective enter or completion,
@@ -669,7 +594,7 @@ class Watchdog:
             return None
         why = (f"no collective entered or completed for {stalled:.1f} s, threshold {threshold:.1f} s: {note}"
                if note else detectors.collective_stall_reason(stalled, threshold, max(gaps), cfg.hang_factor))
-        return "stall", stalled, threshold, threshold, horizon_ns, self._progress(w, now_ns), why
+        return "stall", stalled, threshold, horizon_ns, self._progress(w, now_ns), why
 
     @staticmethod
     def _progress(w: _Watched, now_ns: int) -> dict[int, tuple[int, float]]:
@@ -680,19 +605,15 @@ class Watchdog:
             progress[r] = (w.last_step.get(r, 0), (now_ns - last) / 1e9 if last else math.inf)
         return progress
 
-    def _judge_hang(self, w: _Watched, kind: str, seconds: float, threshold: float, settle: float,
-                    horizon_ns: int, progress: dict, why: str | None, now: float) -> list[Incident]:
-        """Diagnose (at most every interval, and never more than half the time), counting
-        waits older than ``settle`` s, and decide; kind "warm": diagnose only, so that a
-        verdict has held long enough when the threshold passes."""
+    def _judge_hang(self, w: _Watched, kind: str, seconds: float, threshold: float, horizon_ns: int,
+                    progress: dict, why: str | None, now: float) -> list[Incident]:
+        """Diagnose (at most every interval, and never more than half the time) and decide."""
         cfg = self._cfg
-        warm = kind == "warm"
-        if now >= w.next_diagnosis or (w.diagnosis_warm and not warm):
+        if now >= w.next_diagnosis:
             t = time.monotonic()
-            w.last_diagnosis = self._diagnose(w.number, settle, horizon_ns)
+            w.last_diagnosis = self._diagnose(w.number, threshold, horizon_ns)
             took = time.monotonic() - t
             w.next_diagnosis = time.monotonic() + max(cfg.interval_s, took)
-            w.diagnosis_settle, w.diagnosis_warm = settle, warm
         d = w.last_diagnosis
         verdict, culprits, summary = (d.verdict, d.culprit_ranks, d.summary) if d else (None, [], "")
         # A verdict counts once it has held for VERDICT_STABLE_S: rows reach the store a
@@ -701,10 +622,8 @@ class Watchdog:
         # job's verdict: it is made on pulled entries only once every member's are stored
         # (or on the fronts, after waiting PULL_WAIT_S for them).
         key = (verdict, tuple(culprits))
-        if detectors.verdict_clock_restarts(w.verdict_key, w.verdict_settle, key, w.diagnosis_settle):
-            w.verdict_key, w.verdict_since, w.verdict_settle = key, now, w.diagnosis_settle
-        if warm:
-            return []
+        if key != w.verdict_key:
+            w.verdict_key, w.verdict_since = key, now
         settled = w.fronts is not None and w.fronts.rows_applied > 0
         if verdict in ("hang", "mismatch") and not settled and now - w.verdict_since < VERDICT_STABLE_S:
             return []  # judge again next interval
@@ -764,7 +683,9 @@ class Watchdog:
         if front is None:
             return None
         now = time.monotonic()
-        with self._lock:
+        key = (front.verdict, tuple(front.culprits), tuple(front.groups))
+        if key != w.pull_key:
+            w.pull_key, w.pull_sent = key, now
             self._pull(w, front)
         try:
             traces = recent_traces(self._store, self._job_id, w.number, PULL_ENTRIES, groups=front.groups)
@@ -772,8 +693,7 @@ class Watchdog:
             log.exception("reading the pulled entries of attempt %d failed", w.number)
             traces = None
         members = {r for ranks in front.members.values() for r in ranks}
-        pulled = (traces is not None and members <= {r for r, t in traces.ranks.items() if t.entries}
-                  and _answered(traces, w.pull_expect))
+        pulled = traces is not None and members <= {r for r, t in traces.ranks.items() if t.entries}
         if pulled:
             d = diagnose(traces, DiagnosisConfig(settle_s=settle_s), now_ns=horizon_ns)
             if d.verdict in ("hang", "mismatch") and d.culprit_ranks:
@@ -783,18 +703,7 @@ class Watchdog:
         return None
 
     def _pull(self, w: _Watched, front: FrontVerdict) -> None:
-        """Ask the agents of the suspect groups' members for their newest raw entries, once
-        per suspect (verdict, culprits, groups). What the fronts show each member entered
-        then is what the answer holds at least (``_answered``): entries of an earlier pull
-        are not taken for it."""
-        key = (front.verdict, tuple(front.culprits), tuple(front.groups))
-        if key == w.pull_key:
-            return
-        w.pull_key, w.pull_sent = key, time.monotonic()
-        members = {r for ranks in front.members.values() for r in ranks}
-        groups = set(front.groups)
-        w.pull_expect = {(f.rank, f.group): f.entered_seq for f in w.fronts.rows(members)
-                         if f.group in groups and f.entered_seq > 0} if w.fronts is not None else {}
+        """Ask the agents of the suspect groups' members for their newest raw entries."""
         if self._send is None:
             return
         by_node: dict[str, list[int]] = {}
@@ -819,17 +728,6 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - asked again next check
                 log.debug("could not read the job's total steps", exc_info=True)
         return self._total_steps
-
-
-def _answered(traces: TraceSet, expect: dict[tuple[int, str], int]) -> bool:
-    """Whether ``traces`` hold a pull's answer: each (rank, group) up to the seq its front
-    showed when the pull was sent (an older pull's entries end below it)."""
-    for (rank, group), seq in expect.items():
-        t = traces.ranks.get(rank)
-        ops = t.groups.get(group) if t is not None else None
-        if ops is None or not len(ops.seqs) or ops.seqs[-1] < seq:
-            return False
-    return True
 
 
 def _front_diagnosis(front: FrontVerdict, attempt: int) -> Diagnosis:

@@ -77,11 +77,13 @@ def test_uplink_frames_batches_with_the_contract_tags() -> None:
         assert data.startswith(contract.AGENT_MESSAGE_BATCH_TAG)
         batch = agent_pb2.AgentMessage.FromString(data).batch
         assert (batch.agent_id, batch.epoch) == ("agent-n0", 11)
-        # the events field of the batch, as sent, is the concatenation the contract's tag frames
+        # the events field of the batch, as sent, is the concatenation the contract's tag
+        # frames, followed by the (unnamed, one submit each) write-ahead log mark
         body = data[len(contract.AGENT_MESSAGE_BATCH_TAG):]
         header = agent_pb2.EventBatch(agent_id="agent-n0", epoch=11, seq=batch.seq).SerializeToString()
         assert body.endswith(header + b"".join(
             contract.EVENT_BATCH_EVENTS_TAG + contract.encode_varint(e.ByteSize()) + e.SerializeToString()
-            for e in batch.events))
+            for e in batch.events) + contract.EVENT_BATCH_MARKS_TAG + b"\x00")
+        assert list(batch.marks) == [agent_pb2.ReportMark()]
         received += batch.events
     assert received == events

@@ -165,9 +165,7 @@ def test_hang_names_the_rank_that_never_entered_the_collective(store: Store, job
         assert "flight recorder: hang: culprit rank 1" in inc.evidence
         assert "rank 1 never entered collective 7" in inc.evidence
         took = (fired_ns - last_end) / 1e9
-        # the flight recorder was consulted ahead of the threshold: its verdict had held
-        # long enough when the threshold passed, so the stability time does not add to it
-        assert threshold < took <= threshold + VERDICT_STABLE_S, f"fired {took:.2f} s after the last step"
+        assert threshold < took <= threshold + 1.0, f"fired {took:.2f} s after the last step"
         # the same hang is reported once
         assert incidents.wait(2, timeout_s=0.5) == [inc]
 
