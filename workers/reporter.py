@@ -236,7 +236,8 @@ class Reporter:
         if self._retry is not None:
             report, n = self._retry
             self._send(report, n, timeout_s)   # raises: it stays for the next tick
-            self._retry = None
+            with self._lock:
+                self._retry = None
         while True:
             with self._lock:
                 n = min(len(self._buffer), MAX_EVENTS_PER_REPORT)
@@ -250,12 +251,13 @@ class Reporter:
             try:
                 self._send(report, n, timeout_s)
             except BaseException:
-                self._retry = (report, n)
+                with self._lock:   # at once: ``pending`` counts these events once
+                    self._inflight = 0
+                    self._retry = (report, n)
                 self.send_failures += 1
                 raise
-            finally:
-                with self._lock:
-                    self._inflight = 0
+            with self._lock:
+                self._inflight = 0
             if n < MAX_EVENTS_PER_REPORT:
                 return
 
