@@ -305,7 +305,7 @@ class Uplink:
     def backlog(self) -> int:
         """Events not yet acknowledged by the controller."""
         with self._cond:
-            return self._pending_events + self._unacked_events + sum(b.n_events for b in self._stale)
+            return self._held_events()
 
     def stats(self) -> dict[str, int]:
         """Counters since start: events acked, dropped (spill failed, too large), rejected
@@ -313,7 +313,7 @@ class Uplink:
         with self._cond:
             return {
                 "acked_events": self.acked_events,
-                "backlog": self._pending_events + self._unacked_events + sum(b.n_events for b in self._stale),
+                "backlog": self._held_events(),
                 "memory_bytes": self._mem_bytes + self._pending_bytes,
                 "spilled_batches": self._spilled,
                 "spilled_bytes": self._spill_bytes,
@@ -343,7 +343,7 @@ class Uplink:
         if self._thread.ident is not None:   # not when closed without being started
             self._thread.join(timeout=5)
         with self._cond:
-            lost = self._pending_events + self._unacked_events + sum(b.n_events for b in self._stale)
+            lost = self._held_events()
             if lost or self._drops:
                 log.error("closing with %d event(s) not acknowledged by the controller and %d drop "
                           "report(s) unsent; they are lost", lost, len(self._drops))
@@ -362,6 +362,10 @@ class Uplink:
         self.close()
 
     # -- buffering (all under self._cond) ---------------------------------------------
+
+    def _held_events(self) -> int:
+        """Events not yet acknowledged: pending, this process's batches, predecessors'."""
+        return self._pending_events + self._unacked_events + sum(b.n_events for b in self._stale)
 
     def _room_for(self, incoming: int) -> bool:
         queued = self._pending_bytes + incoming
