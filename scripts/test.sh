@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
-# The project's test command on a fresh machine: installs the PostgreSQL server the store
-# tests run against (Debian's postgresql package) when it is missing, then the project into
-# .venv, then runs pytest with this script's arguments.
+# The project's test command on a fresh machine: installs the Debian packages the tests run
+# against when they are missing (the PostgreSQL server of the store tests, the Prometheus
+# server and promtool of the dashboard and alert tests, the Chromium of the HTML report
+# test), then the project into .venv, then runs pytest with this script's arguments.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-have_postgres() {
-    compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || command -v initdb >/dev/null
-}
+missing=()
+if ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null && ! command -v initdb >/dev/null; then
+    missing+=(postgresql)
+fi
+command -v prometheus >/dev/null && command -v promtool >/dev/null || missing+=(prometheus)
+command -v chromium >/dev/null || missing+=(chromium)
 
-if ! have_postgres; then
-    echo "scripts/test.sh: PostgreSQL server binaries not found; installing Debian's postgresql" >&2
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "scripts/test.sh: installing Debian's ${missing[*]} (not found)" >&2
     sudo=""
     if [ "$(id -u)" -ne 0 ]; then
         sudo="sudo"
     fi
     $sudo apt-get update
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends postgresql
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"
+    # Debian starts the services it installs; the tests start their own, on their own ports
+    for service in prometheus prometheus-node-exporter; do
+        if command -v systemctl >/dev/null && systemctl is-active --quiet "$service" 2>/dev/null; then
+            $sudo systemctl stop "$service" || true
+        fi
+    done
 fi
 
 python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest "$@"
