@@ -59,6 +59,12 @@ class JobFailedError(FleetError):
     exit_code = 7
 
 
+class JobStoppedError(FleetError):
+    """The job ended STOPPED: an operator stopped it (`fleet stop`), after its checkpoint."""
+
+    exit_code = 8
+
+
 class Interrupted(FleetError):
     """The user interrupted a command (Ctrl-C); what it started has been torn down."""
 

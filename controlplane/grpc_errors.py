@@ -18,6 +18,7 @@ from fleet.controlplane.errors import (
     FleetError,
     Interrupted,
     JobFailedError,
+    JobStoppedError,
     NotFoundError,
     StateError,
     UnavailableError,
@@ -32,6 +33,7 @@ _STATUS_OF: dict[type[FleetError], grpc.StatusCode] = {
     AuthError: grpc.StatusCode.UNAUTHENTICATED,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     JobFailedError: grpc.StatusCode.ABORTED,
+    JobStoppedError: grpc.StatusCode.ABORTED,
     Interrupted: grpc.StatusCode.CANCELLED,
 }
 

@@ -19,7 +19,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fleet.controlplane.cli.render import console, err_console, print_json
-from fleet.controlplane.errors import FleetError, Interrupted, JobFailedError
+from fleet.controlplane.errors import Interrupted, JobFailedError, JobStoppedError
 from fleet.controlplane.lifecycle import JobState
 
 if TYPE_CHECKING:  # the config imports pydantic and gRPC: only `fleet up` itself pays for them
@@ -72,7 +72,7 @@ def run_job(config: ClusterConfig, *, json_out: bool = False, verbose: bool = Fa
     with ``json_out``). ``announce``: print the job id alone on stdout's first line as
     soon as it exists. ``resume``: take over that job instead of creating one.
 
-    Returns when the job SUCCEEDED; raises ``JobFailedError`` (FAILED), ``FleetError``
+    Returns when the job SUCCEEDED; raises ``JobFailedError`` (FAILED), ``JobStoppedError``
     (STOPPED) or ``Interrupted`` (Ctrl-C). The entrypoint must have passed
     ``check_entrypoint`` already: nothing here may run before that check."""
     # imported here: the other commands need no controller, and start faster without it
@@ -152,7 +152,7 @@ def run_job(config: ClusterConfig, *, json_out: bool = False, verbose: bool = Fa
     if result.state is JobState.FAILED:
         raise JobFailedError(f"job {result.job_id} failed: {result.reason}")
     if result.state is JobState.STOPPED:
-        raise FleetError(f"job {result.job_id} stopped: {result.reason}")
+        raise JobStoppedError(f"job {result.job_id} stopped: {result.reason}")
 
 
 def _terminal_writer(terminal: int, bar: Progress) -> Callable[[str], None]:
