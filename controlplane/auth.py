@@ -4,8 +4,9 @@
 0600, and hands it to its agents; every gRPC call carries it as metadata under
 ``fleet.proto.contract.TOKEN_METADATA_KEY``. ``<state_dir>/controller.json`` (also
 0600) tells other CLI commands where the running controller listens and which job it
-runs, and, when the controller uses mutual TLS, which CA and client certificate/key
-files the CLI connects with.
+runs, its Prometheus metrics port (``metrics_port``, 0 when metrics are off), and, when
+the controller uses mutual TLS, which CA and client certificate/key files the CLI
+connects with.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class ControllerInfo:
     ca_cert: str = ""       # mutual TLS files for clients; all "" when plaintext
     client_cert: str = ""
     client_key: str = ""
+    #: the controller's Prometheus /metrics port on its host; 0 = metrics off (and in files
+    #: written before the field existed)
+    metrics_port: int = 0
 
     def tls_files(self) -> TlsFiles | None:
         """The client side's TLS files, or None when the controller talks plaintext."""

@@ -197,9 +197,20 @@ class ControllerConfig(_Section):
         60.0, gt=0, le=3600, description="Seconds to wait for every node agent to connect."
     )
     max_message_bytes: int = _field(AgentSettings, "max_message_bytes")
+    metrics: bool = Field(
+        True,
+        description="Serve the controller's Prometheus metrics (/metrics on `host` at metrics_port; the port is "
+        "written to <state_dir>/controller.json and <state_dir>/prometheus/targets.json). false: no endpoint.",
+    )
     metrics_port: int = Field(
         0, ge=0, le=65535,
-        description="Port of the controller's Prometheus /metrics endpoint on `host` (0 = none).",
+        description="Port of the controller's Prometheus /metrics endpoint on `host` (0 = any free port).",
+    )
+    metrics_refresh_interval_s: float = Field(
+        1.0, gt=0, le=3600,
+        description="Seconds between refreshes of the metrics read from the store (jobs, attempts, incidents, "
+        "nodes, restarts) and of those fed by ingested batches; a scrape only reads the cached values. ETTR and "
+        "lost time (`fleet report`'s) refresh as often, or less often on a job whose report costs more.",
     )
     tls: TlsConfig = Field(default_factory=TlsConfig, description="Mutual TLS.")
 

@@ -67,9 +67,11 @@ class IncidentMethods(StoreBase):
         except IntegrityError as e:
             raise NotFoundError(f"job {job_id!r} not found") from e
 
-    def incidents(self, job_id: str) -> list[IncidentRecord]:
+    def incidents(self, job_id: str, *, after_id: int = 0) -> list[IncidentRecord]:
+        """The job's incidents, oldest first; with ``after_id``, only those stored after
+        incident ``after_id`` (ids grow), so that a reader can follow them incrementally."""
         with self._tx(write=False) as s:
-            rows = s.scalars(select(Incident).where(Incident.job_id == job_id)
+            rows = s.scalars(select(Incident).where(Incident.job_id == job_id, Incident.id > after_id)
                              .order_by(Incident.id)).all()
             return [self._incident_record(r) for r in rows]
 

@@ -115,8 +115,8 @@ class PreparedBatch:
 
     def step_rows(self) -> Iterator[StepRow]:
         """The batch's steps."""
-        for job_id, attempt, rank, step, loss, step_time_s, _, end_ns, *_ in self.steps:
-            yield StepRow(job_id, attempt, rank, step, end_ns, step_time_s, loss)
+        for job_id, attempt, rank, step, loss, step_time_s, tokens_per_s, end_ns, *_, expert_load in self.steps:
+            yield StepRow(job_id, attempt, rank, step, end_ns, step_time_s, loss, tokens_per_s, expert_load)
 
     def collective_rows(self) -> Iterator[CollectiveRow]:
         """The batch's collectives, in batch order."""

@@ -111,6 +111,16 @@ class JobMethods(StoreBase):
             ).all()
             return [self._job_record(*r) for r in rows]
 
+    def job_counts(self) -> dict[JobState, int]:
+        """How many jobs the store holds in each state (every state, 0 when none): one
+        grouped count, for the controller's ``fleet_jobs`` gauge."""
+        with self._tx(write=False) as s:
+            rows = s.execute(select(Job.state, func.count()).group_by(Job.state)).all()
+        counts = dict.fromkeys(JobState, 0)
+        for state, n in rows:
+            counts[JobState(state)] = int(n)
+        return counts
+
     def transitions(self, job_id: str) -> list[TransitionRecord]:
         """Every state change of the job and its attempts, oldest first."""
         with self._tx(write=False) as s:

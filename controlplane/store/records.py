@@ -293,6 +293,10 @@ class StepRow(NamedTuple):
     end_ns: int  # when the step ended (the worker's clock)
     step_time_s: float
     loss: float
+    tokens_per_s: float = 0.0  # tokens this rank processed per second
+    #: per MoE layer: layer, tokens_per_expert, min_share, max_share, imbalanced (JSON text,
+    #: as stored; "[]" without MoE): parsed only by the reader that needs it
+    expert_load: str = "[]"
 
 
 class CollectiveRow(NamedTuple):
