@@ -26,9 +26,10 @@ What never runs on the loop, because it would stall every other stream:
   passes), then tries again. A parked stream does not read: gRPC flow control pushes
   back on its agent. Nothing is dropped for being slow.
 
-An optional observer (the controller's watchdog) sees every valid batch's rows before
-they are queued; it runs ON THE LOOP THREAD, so it must be cheap (O(1)), and its errors
-are logged, never allowed to break ingest. Node checks (``on_node_check``, the
+An optional observer (the controller's watchdog and its metrics, chained with
+``fan_out``) sees every valid batch's rows before they are queued; it runs ON THE LOOP
+THREAD, so it must be cheap (O(1)), and its errors are logged, never allowed to break
+ingest. Node checks (``on_node_check``, the
 controller's ``node_checks.NodeChecks.observe``) are handed each known-answer GEMM result
 of a valid batch, with the stream's node, once the batch is queued, in the store pool;
 their errors are logged too. Heartbeats update the node's liveness and health samples;
@@ -77,6 +78,29 @@ log = logging.getLogger(__name__)
 
 #: Sees each valid batch's rows: (node name of the agent, rows). Called on the loop thread.
 BatchObserver = Callable[[str, PreparedBatch], None]
+
+
+def fan_out(*observers: BatchObserver | None) -> BatchObserver | None:
+    """One observer that shows each batch to every one of ``observers`` (Nones left out),
+    in order; one that raises does not keep the batch from the others (the first error is
+    raised after all were called). None when there is none."""
+    chain = [o for o in observers if o is not None]
+    if len(chain) <= 1:
+        return chain[0] if chain else None
+
+    def observe(node_name: str, batch: PreparedBatch) -> None:
+        failed: Exception | None = None
+        for o in chain:
+            try:
+                o(node_name, batch)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, once the others saw it
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
+    return observe
+
+
 #: Takes one node check result: (node name of the agent, its "gemm" SdcCheckEvent).
 NodeCheckSink = Callable[[str, events_pb2.SdcCheckEvent], None]
 

@@ -1,10 +1,10 @@
 """The controller: runs one job through its lifecycle until it succeeds, fails or stops.
 
 Order of life: create the job row (or take over a job whose controller died,
-``recovery.take_over``) -> start or attach the cluster (Ray) -> start the gRPC server
-(token, controller.json) -> one agent per node -> the attempts (``attempts``:
-place, run, watch, attribute, decide, restart). Every state change is a row in the
-store. Teardown (chaos, watchdog, workers, agents, Ray, server) runs on every exit
+``recovery.take_over``) -> start or attach the cluster (Ray) -> start the gRPC server and
+the metrics (token, controller.json, the Prometheus target file) -> one agent per node ->
+the attempts (``attempts``: place, run, watch, attribute, decide, restart). Every state change is a row in the
+store. Teardown (chaos, watchdog, workers, agents, Ray, metrics, server) runs on every exit
 path, KeyboardInterrupt included.
 
 What it is made of: ``job_control`` (the live state and the ``JobControl`` behind
@@ -24,16 +24,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleet.controlplane import auth
-from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
+from fleet.controlplane.addresses import join_host_port
+from fleet.controlplane.agent_server import AgentRegistry, AgentServicer, fan_out
 from fleet.controlplane.agent_supervisor import AgentSupervisor
 from fleet.controlplane.attempts import AttemptRunner
+from fleet.controlplane.collective_metrics import CollectiveMetrics
 from fleet.controlplane.config import ClusterConfig
 from fleet.controlplane.control_server import ControlServicer
 from fleet.controlplane.detectors import Incident
 from fleet.controlplane.errors import FleetError, UnavailableError
 from fleet.controlplane.grpc_server import ControllerServer
 from fleet.controlplane.job_control import JobService, LiveJob
+from fleet.controlplane.job_metrics import JobMetrics, MetricsRefresher
 from fleet.controlplane.lifecycle import AttemptState, JobState
+from fleet.controlplane.metrics import ControllerMetrics
 from fleet.controlplane.node_checks import NodeChecks
 from fleet.controlplane.recovery import note_processes, processes_file, take_over
 from fleet.controlplane.runtime import Agents, Cluster, NodeInfo, Runtime, ray_runtime
@@ -101,6 +105,8 @@ class Controller:
         self._control = JobService(store, self._job)
         self._incidents: queue.Queue[Incident] = queue.Queue()  # from the watchdog thread
         self.address = ""
+        self.metrics_port = 0  # the /metrics endpoint's port once serving; 0 = none
+        self._metrics: ControllerMetrics | None = None
         self.timings_s: dict[str, float] = {}
 
     @property
@@ -180,11 +186,17 @@ class Controller:
         return result
 
     def _serve(self, watchdog: Watchdog) -> ControllerServer:
-        """Start the gRPC server (and metrics), and publish how to reach it (controller.json)."""
+        """Start the gRPC server and the metrics (their refresher, their endpoint), and
+        publish how to reach them (controller.json, the Prometheus target file)."""
         cfg = self.config
+        feed = None
+        if cfg.controller.metrics:
+            self._metrics = ControllerMetrics()
+            feed = CollectiveMetrics(self._metrics.registry, self.job_id)
         server = ControllerServer(
             AgentServicer(self.store, self._registry, self._token, controller_id=f"ctl-{os.getpid()}",
-                          observer=watchdog.observe, on_node_check=self._node_checks.observe),
+                          metrics=self._metrics, observer=fan_out(watchdog.observe, feed and feed.observe),
+                          on_node_check=self._node_checks.observe),
             ControlServicer(self._control, self._token, node_checks=self._node_checks),
             host=cfg.controller.host,
             port=cfg.controller.port,
@@ -192,16 +204,32 @@ class Controller:
             tls=cfg.controller.tls.server_files(),
         ).start()
         self.address = server.address
-        if cfg.controller.metrics_port:
-            port = server.agent_servicer.metrics.serve(cfg.controller.host, cfg.controller.metrics_port)
-            self._progress(f"metrics on http://{cfg.controller.host}:{port}/metrics")
+        if self._metrics is not None:
+            self._serve_metrics(self._metrics, feed)
         tls = cfg.controller.tls
         auth.write_controller_info(self._state_dir, auth.ControllerInfo(
             self.address, self._token, self.job_id, os.getpid(),
             ca_cert=str(tls.ca_cert or ""), client_cert=str(tls.client_cert or ""),
-            client_key=str(tls.client_key or ""),
+            client_key=str(tls.client_key or ""), metrics_port=self.metrics_port,
         ))
         return server
+
+    def _serve_metrics(self, metrics: ControllerMetrics, feed: CollectiveMetrics | None) -> None:
+        """The metrics refresher and the /metrics endpoint (``metrics.close`` stops both and
+        removes the target file)."""
+        cfg = self.config.controller
+        metrics.watch_agents(self._registry.silent_for)
+        refresher = MetricsRefresher(metrics, JobMetrics(metrics.registry, self.store, self.job_id), feed,
+                                     cfg.metrics_refresh_interval_s).start()
+        metrics.on_close(refresher.close)
+        try:
+            self.metrics_port = metrics.serve(cfg.host, cfg.metrics_port)
+        except OSError as exc:
+            raise UnavailableError(f"controller.metrics_port: cannot serve metrics on {cfg.host}:"
+                                   f"{cfg.metrics_port}: {exc.strerror or exc}") from None
+        targets = metrics.publish_targets(self._state_dir, cfg.host, self.metrics_port, self.job_id)
+        self._progress(f"metrics on http://{join_host_port(cfg.host, self.metrics_port)}/metrics "
+                       f"(Prometheus file_sd: {targets})")
 
     def _start_agents(self, nodes: list[NodeInfo], agents: Agents) -> None:
         """Every alive node gets a node row and an agent; each attempt is placed on
@@ -246,6 +274,7 @@ class Controller:
             ("spare workers", runner.close_pool),
             ("agents", agents.close),
             ("ray", cluster.shutdown),
+            ("metrics", self._metrics.close if self._metrics is not None else (lambda: None)),
             ("grpc server", server.close if server is not None else (lambda: None)),
             ("process list", lambda: processes_file(self._state_dir, os.getpid()).unlink(missing_ok=True)),
         ):

@@ -1,0 +1,344 @@
+"""Metrics fed by the batches the controller ingests: steps, collectives, MoE load, SDC checks.
+
+``CollectiveMetrics.observe`` is an ``AgentServicer`` batch observer: it runs on the
+gRPC loop thread, so it only queues the batch (O(1)); ``drain`` (the metrics refresher's
+thread, ``job_metrics.MetricsRefresher``) folds the queued batches into the metrics and
+publishes the gauges, O(rows) per batch and O(ranks + experts) per drain. At most
+``MAX_PENDING_EVENTS`` events wait; batches beyond that are skipped and counted in
+``fleet_exporter_skipped_batches_total`` (metrics are a sample then, the store keeps all).
+
+Only this controller's job is followed, and for the gauges only its newest attempt (a
+new attempt resets them: ``start_attempt``). Histograms take every row of the job.
+
+- ``fleet_step_duration_seconds{job_id}``: every rank's ``step_time_s``.
+- ``fleet_tokens_per_second{job_id}``: sum over ranks of their newest step's tokens/s;
+  ``fleet_loss{job_id}``: mean over ranks of their newest step's loss.
+- ``fleet_collective_duration_seconds{job_id,op,timing}``: enter -> exit of each completed
+  collective; ``timing`` is ``measured``, or ``poll_upper_bound`` when the exit is the
+  reporter's poll time (gloo's native entries, ``exit_estimated``): an upper bound,
+  never mixed with measured ones.
+- ``fleet_collective_arrival_lag_seconds{job_id,rank}``: per rank, the mean over its last
+  ``LAG_WINDOW`` completed matches of how late it entered a collective behind the first
+  member to enter it. A match is one (group, seq) once every member (``group_size``) has
+  entered it (``ArrivalMatcher``); point-to-point groups are left out (their sequence
+  numbers count per pair). Enter times come from each rank's host clock: skew between
+  hosts shows as lag. Jobs that send collective fronts instead of raw collectives (more
+  ranks than ``agent.raw_ingest_max_ranks``) get no arrival lag: a front is a rank's
+  newest position, so the members' enters of one collective are rarely all seen.
+- ``fleet_moe_expert_token_share_ratio{job_id,layer,expert}``: the expert's share of its
+  layer's routed tokens, summed over ranks, in the newest step every rank has reported
+  (the step before it until then); ``fleet_moe_layer_{min,max}_share_ratio{job_id,layer}``
+  the smallest and largest of those shares.
+- ``fleet_sdc_checks_total{job_id,kind,result}``: SDC check rows, ``result`` ok|mismatch.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from fleet.controlplane.store.ingest import SDC_KINDS, PreparedBatch
+from fleet.proto.flight_record import P2P_SUFFIX
+
+#: Batches of at most this many events in all wait for ``drain``; later ones are skipped.
+MAX_PENDING_EVENTS = 400_000
+#: Completed matches per rank the arrival lag is the mean of.
+LAG_WINDOW = 32
+#: (group, seq) matches still missing members kept at most (the oldest go first: a rank
+#: that died never completes them).
+MAX_OPEN_MATCHES = 8192
+#: Newest steps whose MoE expert loads are summed while their ranks' reports come in.
+MOE_STEPS = 4
+STEP_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+COLLECTIVE_BUCKETS_S = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+
+# -- pure -----------------------------------------------------------------------------------
+
+def arrival_lags(enter_ns: Mapping[int, int]) -> dict[int, float]:
+    """rank -> seconds it entered one collective after the first member did (0 for it)."""
+    if not enter_ns:
+        return {}
+    first = min(enter_ns.values())
+    return {rank: (t - first) / 1e9 for rank, t in enter_ns.items()}
+
+
+def expert_shares(tokens: Sequence[float]) -> list[float]:
+    """Each expert's share (0-1) of a layer's routed tokens; all 0 when none were routed."""
+    total = float(sum(tokens))
+    return [t / total for t in tokens] if total > 0 else [0.0] * len(tokens)
+
+
+class ArrivalMatcher:
+    """Matches one attempt's collectives across the members of each group by (group, seq)
+    and keeps each rank's last ``window`` arrival lags (not thread-safe: one owner)."""
+
+    def __init__(self, window: int = LAG_WINDOW, max_open: int = MAX_OPEN_MATCHES) -> None:
+        self._window = window
+        self._max_open = max_open
+        self._open: dict[tuple[str, int], tuple[int, dict[int, int]]] = {}
+        # matches already completed: a completion row arriving after its start must not
+        # open the match again (bounded like the open ones, oldest first)
+        self._closed: dict[tuple[str, int], None] = {}
+        self._lags: dict[int, collections.deque[float]] = {}
+        self.matched = 0
+
+    def add(self, group: str, seq: int, group_size: int, rank: int, enter_ns: int) -> None:
+        """One rank's entry into collective ``seq`` of ``group`` (a rank's second row of the
+        same collective, e.g. its completion, changes nothing)."""
+        key = (group, seq)
+        if group_size < 2 or key in self._closed or group.endswith(P2P_SUFFIX):
+            return
+        entry = self._open.get(key)
+        if entry is None:
+            if len(self._open) >= self._max_open:
+                del self._open[next(iter(self._open))]
+            entry = self._open[key] = (group_size, {})
+        entry[1].setdefault(rank, enter_ns)
+        if len(entry[1]) < entry[0]:
+            return
+        del self._open[key]
+        self._closed[key] = None
+        if len(self._closed) > self._max_open:
+            del self._closed[next(iter(self._closed))]
+        self.matched += 1
+        for r, lag in arrival_lags(entry[1]).items():
+            window = self._lags.get(r)
+            if window is None:
+                window = self._lags[r] = collections.deque(maxlen=self._window)
+            window.append(lag)
+
+    def mean_lags(self) -> dict[int, float]:
+        """rank -> mean arrival lag over its last completed matches (seconds)."""
+        return {r: sum(w) / len(w) for r, w in self._lags.items() if w}
+
+
+# -- a histogram fed arrays -------------------------------------------------------------------
+
+class BulkHistogram(Collector):
+    """A Prometheus histogram fed whole arrays of observations at once (one numpy pass per
+    array, not a lock and a bucket search per value): for what arrives by the thousand."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
+                 registry: CollectorRegistry) -> None:
+        self._name, self._doc, self._labelnames = name, documentation, tuple(labelnames)
+        self._bounds = np.asarray(sorted(buckets), dtype=np.float64)
+        self._les = [floatToGoString(b) for b in self._bounds] + ["+Inf"]
+        self._lock = threading.Lock()
+        self._series: dict[tuple[str, ...], list[Any]] = {}  # labels -> [bucket counts, sum]
+        registry.register(self)
+
+    def observe_many(self, labels: Sequence[str], values: Iterable[float] | np.ndarray) -> None:
+        arr = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=np.float64)
+        if not arr.size:
+            return
+        # bucket i counts values <= bound i (Prometheus's "le"); the last is +Inf
+        counts = np.bincount(np.searchsorted(self._bounds, arr, side="left"), minlength=len(self._les))
+        total = float(arr.sum())
+        with self._lock:
+            series = self._series.get(tuple(labels))
+            if series is None:
+                self._series[tuple(labels)] = [counts.astype(np.int64), total]
+            else:
+                series[0] += counts
+                series[1] += total
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+        with self._lock:
+            series = [(k, np.cumsum(v[0]).tolist(), v[1]) for k, v in self._series.items()]
+        for labels, cumulative, total in sorted(series):
+            family.add_metric(list(labels), list(zip(self._les, cumulative)), total)
+        yield family
+
+
+# -- the metrics ----------------------------------------------------------------------------
+
+class CollectiveMetrics:
+    """The batch-fed metrics of one job. ``observe`` from any thread; ``drain`` and
+    ``start_attempt`` from one (the refresher's)."""
+
+    def __init__(self, registry: CollectorRegistry, job_id: str) -> None:
+        self.job_id = job_id
+        r = registry
+        self.step_s = BulkHistogram("fleet_step_duration_seconds", "Step time of every rank's steps (step_time_s).",
+                                    ["job_id"], STEP_BUCKETS_S, r)
+        self.tokens = Gauge("fleet_tokens_per_second", "Tokens per second: sum over ranks of their newest step's.",
+                            ["job_id"], registry=r)
+        self.loss = Gauge("fleet_loss", "Mean over ranks of their newest step's loss.", ["job_id"], registry=r)
+        self.collective_s = BulkHistogram(
+            "fleet_collective_duration_seconds",
+            "Enter to exit of each completed collective, by op; timing=measured, or poll_upper_bound when the "
+            "exit is the flight recorder's poll time (an upper bound).", ["job_id", "op", "timing"],
+            COLLECTIVE_BUCKETS_S, r)
+        self.lag = Gauge("fleet_collective_arrival_lag_seconds",
+                         "How late the rank entered its recent collectives behind each one's first member "
+                         "(mean over its last completed matches).", ["job_id", "rank"], registry=r)
+        self.share = Gauge("fleet_moe_expert_token_share_ratio",
+                           "The expert's share of its MoE layer's routed tokens in the newest step (all ranks).",
+                           ["job_id", "layer", "expert"], registry=r)
+        self.min_share = Gauge("fleet_moe_layer_min_share_ratio", "The smallest expert share of the MoE layer.",
+                               ["job_id", "layer"], registry=r)
+        self.max_share = Gauge("fleet_moe_layer_max_share_ratio", "The largest expert share of the MoE layer.",
+                               ["job_id", "layer"], registry=r)
+        self.sdc = Counter("fleet_sdc_checks", "SDC check results (fingerprint, trigger, replay, verdict, gemm).",
+                           ["job_id", "kind", "result"], registry=r)
+        self.skipped = Counter("fleet_exporter_skipped_batches",
+                               "Ingested batches the metrics skipped: too many were waiting to be folded in.",
+                               registry=r)
+        for kind in sorted(SDC_KINDS):
+            for result in ("ok", "mismatch"):
+                self.sdc.labels(job_id, kind, result)
+        self._inbox: collections.deque[PreparedBatch] = collections.deque()
+        self._inbox_lock = threading.Lock()
+        self._pending_events = 0
+        self._attempt = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._newest: dict[int, tuple[int, float, float]] = {}   # rank -> (step, tokens/s, loss)
+        self._matcher = ArrivalMatcher()
+        self._lag_ranks: set[int] = set()
+        # the newest MOE_STEPS steps' routed tokens: step -> (layer -> tokens per expert, ranks in it)
+        self._moe: dict[int, tuple[dict[int, np.ndarray], set[int]]] = {}
+        self._moe_series: set[tuple[str, str]] = set()            # (layer, expert) published
+
+    def observe(self, node_name: str, batch: PreparedBatch) -> None:
+        """The ``AgentServicer`` observer: queue ``batch`` for ``drain`` (O(1))."""
+        if not (batch.steps or batch.collectives or batch.sdc):
+            return
+        with self._inbox_lock:
+            if self._pending_events + batch.events > MAX_PENDING_EVENTS and self._inbox:
+                self.skipped.inc()
+                return
+            self._pending_events += batch.events
+            self._inbox.append(batch)
+
+    def start_attempt(self, attempt: int) -> None:
+        """The job's newest attempt is ``attempt``: forget an older one's gauges."""
+        if attempt > self._attempt:
+            self._new_attempt(attempt)
+
+    def _new_attempt(self, attempt: int) -> None:
+        self._attempt = attempt
+        for rank in self._lag_ranks:
+            self.lag.remove(self.job_id, str(rank))
+        for layer, expert in self._moe_series:
+            self.share.remove(self.job_id, layer, expert)
+        for layer in {layer for layer, _ in self._moe_series}:
+            self.min_share.remove(self.job_id, layer)
+            self.max_share.remove(self.job_id, layer)
+        self._reset()
+        self.tokens.labels(self.job_id).set(0.0)  # a new attempt has processed nothing yet
+
+    def drain(self) -> int:
+        """Fold every queued batch in and publish the gauges; the number of batches folded."""
+        with self._inbox_lock:
+            batches, self._inbox = list(self._inbox), collections.deque()
+            self._pending_events = 0
+        for batch in batches:
+            if batch.steps:
+                self._steps(batch)
+            if batch.collectives:
+                self._collectives(batch)
+            if batch.sdc:
+                self._sdc(batch.sdc)
+        if batches:
+            self._publish()
+        return len(batches)
+
+    def _steps(self, batch: PreparedBatch) -> None:
+        job, durations = self.job_id, []
+        for s in batch.step_rows():
+            if s.job_id != job:
+                continue
+            durations.append(s.step_time_s)
+            if s.attempt > self._attempt:
+                self._new_attempt(s.attempt)
+            if s.attempt != self._attempt:
+                continue
+            have = self._newest.get(s.rank)
+            if have is None or s.step >= have[0]:
+                self._newest[s.rank] = (s.step, s.tokens_per_s, s.loss)
+            if s.expert_load != "[]":
+                self._expert_load(s.rank, s.step, s.expert_load)
+        self.step_s.observe_many((job,), durations)
+
+    def _expert_load(self, rank: int, step: int, expert_load: str) -> None:
+        entry = self._moe.get(step)
+        if entry is None:
+            if len(self._moe) >= MOE_STEPS and step < min(self._moe):
+                return  # older than every step kept
+            entry = self._moe[step] = ({}, set())
+            if len(self._moe) > MOE_STEPS:
+                del self._moe[min(self._moe)]
+        sums, ranks = entry
+        if rank in ranks:
+            return  # a batch sent again
+        ranks.add(rank)
+        for layer in json.loads(expert_load):
+            tokens = np.asarray(layer["tokens_per_expert"], dtype=np.float64)
+            have = sums.get(layer["layer"])
+            if have is None or len(have) != len(tokens):
+                sums[layer["layer"]] = tokens
+            else:
+                have += tokens
+
+    def _collectives(self, batch: PreparedBatch) -> None:
+        job, attempt, add = self.job_id, self._attempt, self._matcher.add
+        durations: dict[tuple[str, bool], list[float]] = {}
+        for c in batch.collective_rows():
+            if c.job_id != job:
+                continue
+            if c.exit_ns is not None and c.state == "completed":
+                key = (c.op, bool(c.exit_estimated))
+                seconds = max(c.exit_ns - c.enter_ns, 0) / 1e9
+                got = durations.get(key)
+                if got is None:
+                    durations[key] = [seconds]
+                else:
+                    got.append(seconds)
+            if c.attempt > attempt:
+                self._new_attempt(c.attempt)
+                attempt, add = self._attempt, self._matcher.add
+            if c.attempt == attempt:
+                add(c.group, c.seq, c.group_size, c.rank, c.enter_ns)
+        for (op, estimated), values in durations.items():
+            self.collective_s.observe_many((job, op, "poll_upper_bound" if estimated else "measured"), values)
+
+    def _sdc(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            if row["job_id"] in (self.job_id, ""):
+                self.sdc.labels(self.job_id, row["kind"], "ok" if row["ok"] else "mismatch").inc()
+
+    def _publish(self) -> None:
+        job = self.job_id
+        if self._newest:
+            self.tokens.labels(job).set(sum(v[1] for v in self._newest.values()))
+            losses = [v[2] for v in self._newest.values()]
+            self.loss.labels(job).set(sum(losses) / len(losses) if all(map(math.isfinite, losses)) else math.nan)
+        for rank, lag in self._matcher.mean_lags().items():
+            self.lag.labels(job, str(rank)).set(lag)
+            self._lag_ranks.add(rank)
+        # the newest step every rank of the attempt has reported; until there is one, the
+        # gauges keep what they showed
+        complete = [step for step, (_, ranks) in self._moe.items() if ranks >= self._newest.keys()]
+        moe = self._moe[max(complete)][0] if complete else {}
+        for layer, tokens in moe.items():
+            shares = expert_shares(tokens.tolist())
+            for expert, share in enumerate(shares):
+                self.share.labels(job, str(layer), str(expert)).set(share)
+                self._moe_series.add((str(layer), str(expert)))
+            if shares:
+                self.min_share.labels(job, str(layer)).set(min(shares))
+                self.max_share.labels(job, str(layer)).set(max(shares))
