@@ -69,6 +69,11 @@ def replay(
         Path | None, typer.Option("--perfetto", help="Write a Chrome/Perfetto trace JSON here "
                                   "(open it in ui.perfetto.dev).")
     ] = None,
+    html: Annotated[
+        Path | None, typer.Option("--html", help="Write a self-contained HTML incident report here (one "
+                                  "file, opens offline): the per-rank timeline with the culprit highlighted, "
+                                  "the verdict and evidence, incidents and restarts, loss and lost time.")
+    ] = None,
     last_steps: Annotated[
         int, typer.Option("--steps", help="Show the last N steps of each attempt (0 = all).")
     ] = 20,
@@ -104,6 +109,10 @@ def replay(
         raise ConfigError("--prefix: only with a folder of dumps (fleet replay DIR -p PREFIX)")
     view = _View(set(ranks) if ranks else None, list(groups) if groups else None,
                  (around_seq - window, around_seq + window) if around_seq is not None else None)
+    if html is not None:
+        from fleet.controlplane.replay_html_doc import check_path
+
+        view.html = check_path(html)  # refused before any analysis
     paging = {k: v for k, v in (("page", page), ("size", page_size), ("by", page_by)) if v is not None}
     if folder is not None:
         if paging:
@@ -141,6 +150,7 @@ class _View:
     def __init__(self, ranks: set[int] | None, groups: list[str] | None, seqs: tuple[int, int] | None) -> None:
         self.ranks, self.wanted, self.seqs = ranks, groups, seqs
         self.groups: set[str] | None = None
+        self.html: Path | None = None  # --html: where the HTML report goes
 
     def resolve(self, known: list[dict[str, Any]]) -> None:
         """Match the --group values against ``known`` ({"group", "desc"} rows); a value
@@ -201,6 +211,11 @@ def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path 
         f["stacks"] = stacks.get(i, [])
     if perfetto is not None:
         _write_perfetto(perfetto, traces, diag, view)
+    if view.html is not None:
+        from fleet.controlplane.replay_html_doc import dumps_page
+
+        _write_html(view, json_out, *dumps_page(folder, traces, full, ranks=view.ranks, groups=view.groups,
+                                                seq_range=view.seqs))
     out = view.apply(full)
     if json_out:
         print_json(out)
@@ -218,31 +233,35 @@ def _replay_job(job_id: str, attempt: int | None, view: _View, perfetto: Path | 
 
     with open_store(store, cluster) as st:
         if has_fronts(st, job_id):
-            report = _fronts_report(st, job_id, attempt, view, perfetto, last_steps, paging)
+            report = _fronts_report(st, job_id, attempt, view, perfetto, last_steps, paging, json_out)
         elif paging:
             raise ConfigError(f"--page/--page-size/--page-by: job {job_id} sent every collective (no "
                               "collective fronts): its replay has no pages")
         else:
-            report = _report(st, job_id, attempt, view, perfetto, replay_report, diagnose_attempt)
+            report = _report(st, job_id, attempt, view, perfetto, replay_report, diagnose_attempt, json_out)
     return _show(report, view, last_steps, json_out)
 
 
 def _report(st: Any, job_id: str, attempt: int | None, view: _View, perfetto: Path | None,
-            replay_report: Any, diagnose_attempt: Any) -> dict[str, Any]:
+            replay_report: Any, diagnose_attempt: Any, json_out: bool = False) -> dict[str, Any]:
     """The ordinary report: a job that sent every collective."""
     report = replay_report(st, job_id, attempt)
     if attempt is not None and not report["attempts"]:
         raise NotFoundError(f"job {job_id} has no attempt {attempt}")
     view.resolve([g for a in report["attempts"] for g in a["diagnosis"].get("groups", [])])
     chosen = report["attempts"][-1]["attempt"] if report["attempts"] else None
-    if perfetto is not None and chosen is not None:
-        traces, diag = diagnose_attempt(st, job_id, chosen)
-        _write_perfetto(perfetto, traces, diag, view)
+    traces = None
+    if (perfetto is not None or view.html is not None) and chosen is not None:
+        traces, diag = diagnose_attempt(st, job_id, chosen)  # once, for both exports
+        if perfetto is not None:
+            _write_perfetto(perfetto, traces, diag, view)
+    if view.html is not None:
+        _write_job_html(st, job_id, report, chosen, traces, view, json_out)
     return report
 
 
 def _fronts_report(st: Any, job_id: str, attempt: int | None, view: _View, perfetto: Path | None,
-                   last_steps: int, paging: dict[str, Any]) -> dict[str, Any]:
+                   last_steps: int, paging: dict[str, Any], json_out: bool = False) -> dict[str, Any]:
     """A large job's report (``controlplane.fronts_replay``): --group resolved against the
     groups its ranks declared (names and descriptions only), the page chosen."""
     from fleet.controlplane.fronts_replay import Paging, fronts_report, pulled_traces
@@ -256,13 +275,17 @@ def _fronts_report(st: Any, job_id: str, attempt: int | None, view: _View, perfe
     pages = Paging(**paging, ranks=tuple(sorted(view.ranks)) if view.ranks else None,
                    groups=tuple(sorted(view.groups)) if view.groups is not None else None)
     report = fronts_report(st, job_id, attempt, pages, last_steps)
-    if perfetto is not None and chosen is not None:
+    traces = None
+    if (perfetto is not None or view.html is not None) and chosen is not None:
         record = next(a for a in st.get_attempts(job_id) if a.number == chosen)
         traces, diag, _, _ = pulled_traces(st, job_id, record)
-        if traces is None:
+        if perfetto is not None and traces is None:
             raise ConfigError(f"--perfetto: attempt {chosen} of job {job_id} has no group whose raw entries "
                               "were pulled whole (a large job keeps them on its agents)")
-        _write_perfetto(perfetto, traces, diag, view)
+        if perfetto is not None:
+            _write_perfetto(perfetto, traces, diag, view)
+    if view.html is not None:
+        _write_job_html(st, job_id, report, chosen, traces, view, json_out)
     return report
 
 
@@ -300,6 +323,26 @@ def _write_perfetto(path: Path, traces: Any, diag: Any, view: _View) -> None:
     except OSError as exc:
         raise ConfigError(f"--perfetto {path}: cannot write ({exc.strerror or exc})") from None
     err_console.print(f"wrote {path} ({len(doc['traceEvents'])} events); open it in https://ui.perfetto.dev")
+
+
+def _write_job_html(st: Any, job_id: str, report: dict[str, Any], chosen: int | None, traces: Any,
+                    view: _View, json_out: bool) -> None:
+    from fleet.controlplane.replay_html_doc import job_page
+
+    _write_html(view, json_out, *job_page(st, job_id, report, chosen, traces, ranks=view.ranks, groups=view.groups,
+                                       seq_range=view.seqs))
+
+
+def _write_html(view: _View, json_out: bool, page: str, what: str) -> None:
+    """Write the HTML report (atomically) and say where (on stderr with --json: its
+    stdout stays one document)."""
+    from fleet.controlplane.replay_html_doc import write
+
+    assert view.html is not None
+    size = write(view.html, page)
+    kb = f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"
+    (err_console if json_out else console).print(f"wrote {view.html} ({what}, {kb}); open it in a browser, offline",
+                                                 highlight=False, soft_wrap=True)
 
 
 #: Findings the text output lists (causes first); --json has them all.
