@@ -285,7 +285,9 @@ class JobMetrics:
         self._report_final = final
         job_id = self.job_id
         if report["ettr"] is not None:
-            self.ettr.labels(job_id).set(report["ettr"])
+            # a ratio stays 0-1: step ends come from the ranks' host clocks, which may run
+            # ahead of the controller's by a little
+            self.ettr.labels(job_id).set(min(max(report["ettr"], 0.0), 1.0))
             self._ettr_shown = True
         elif self._ettr_shown:  # absent while the report has none
             self.ettr.remove(job_id)
