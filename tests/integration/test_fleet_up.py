@@ -9,11 +9,13 @@ import subprocess
 import tempfile
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from fleet.controlplane.lifecycle import AttemptState, JobState
 from fleet.controlplane.store import Store
@@ -165,13 +167,37 @@ def inject_fault(run: FleetUp, job_id: str, kind: str, *, rank: int, at_step: in
     return reply
 
 
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The controller's /metrics as sample (name + labels) -> value; {} when unreachable."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 def test_fleet_up_runs_a_job_to_success(tmp_path: Path) -> None:
     steps, interval = 30, 10
     run = FleetUp(tmp_path, write_cluster(tmp_path, steps=steps, checkpoint_interval=interval))
     run.wait_until(lambda: controller_job(tmp_path), 120, "the controller to start")
+    # metrics are on by default: their port is in controller.json and the Prometheus target file
+    info = json.loads((tmp_path / ".fleet" / "controller.json").read_text())
+    targets = tmp_path / ".fleet" / "prometheus" / "targets.json"
+    assert info["metrics_port"] > 0
+    assert json.loads(targets.read_text()) == [
+        {"targets": [f"127.0.0.1:{info['metrics_port']}"], "labels": {"fleet_job_id": info["job_id"]}}]
+    step_key = 'fleet_job_step{"job_id": "%s"}' % info["job_id"]
+    run.wait_until(lambda: scrape_metrics(info["metrics_port"]).get(step_key, 0) >= 1, 240,
+                   "fleet_job_step on /metrics")
+    got = scrape_metrics(info["metrics_port"])
+    assert got['fleet_attempts{"job_id": "%s", "state": "RUNNING"}' % info["job_id"]] == 1
+    assert got['fleet_step_duration_seconds_count{"job_id": "%s"}' % info["job_id"]] >= 1
     summary = run.finish()
     run.assert_tree_gone()
     run.assert_loopback_only()
+    assert not targets.exists()  # removed at teardown
 
     assert summary["state"] == "SUCCEEDED" and summary["final_step"] == steps
     with store_of(tmp_path) as store:
