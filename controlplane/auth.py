@@ -77,7 +77,9 @@ def read_controller_info(state_dir: Path) -> ControllerInfo:
         return ControllerInfo(**data)
     except FileNotFoundError:
         raise UnavailableError(
-            f"no running controller found ({path} does not exist); is `fleet up` running here?"
+            f"no running controller found ({path} does not exist)",
+            hint="is `fleet up` running? --state-dir (or FLEET_STATE_DIR) names the folder it runs in, "
+                 "its cluster file's state_dir",
         ) from None
     except (ValueError, TypeError) as exc:
         raise UnavailableError(f"{path}: unreadable controller info ({exc})") from None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -36,6 +37,7 @@ from pydantic.fields import FieldInfo
 from fleet.agent.settings import AGENT_SECTION_FIELDS, GEMM_FIELDS, AgentSettings, check_batch_fits_memory
 from fleet.controlplane import chaos
 from fleet.controlplane.addresses import check_host, check_ray_address, is_wildcard
+from fleet.controlplane.config_overrides import Override, apply_overrides, blamed
 from fleet.controlplane.detectors import DETECTOR_KINDS, DetectorAction
 from fleet.controlplane.errors import ConfigError
 from fleet.controlplane.sdc import copies_problem
@@ -888,8 +890,13 @@ def _key_text(part: Any) -> str:
     return text
 
 
-def parse_cluster_yaml(text: str, source: str = "<string>") -> ClusterConfig:
-    """Parse and validate cluster.yaml text; ``source`` names the file in errors."""
+#: What to do about a bad cluster.yaml (or override of it).
+_FILE_HINT = "`fleet config schema` describes every key; `fleet config show` prints the file as fleet reads it"
+
+
+def parse_cluster_yaml(text: str, source: str = "<string>", overrides: Sequence[Override] = ()) -> ClusterConfig:
+    """Parse and validate cluster.yaml text; ``source`` names the file in errors.
+    ``overrides`` (``config_overrides``) are set on the parsed mapping before validation."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -897,15 +904,27 @@ def parse_cluster_yaml(text: str, source: str = "<string>") -> ClusterConfig:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{source}{where}: not valid YAML: {problem}") from None
+        raise ConfigError(f"{source}{where}: not valid YAML: {problem}", hint=_FILE_HINT) from None
     except ValueError as exc:  # e.g. an impossible date, which PyYAML turns into a datetime
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{source}: not valid YAML: {exc}", hint=_FILE_HINT) from None
     except RecursionError:
-        raise ConfigError(f"{source}: not valid YAML: nested too deeply") from None
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply", hint=_FILE_HINT) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of keys, not {type(data).__name__}")
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, not {type(data).__name__}",
+                          hint=_FILE_HINT)
+    return validate_cluster_data(data, source, overrides=overrides, root=root)
+
+
+def validate_cluster_data(data: dict[str, Any], source: str, *, overrides: Sequence[Override] = (),
+                          root: yaml.Node | None = None) -> ClusterConfig:
+    """Validate cluster.yaml's parsed mapping, ``overrides`` set on it first. A problem is
+    one ``ConfigError``: ``<source>[:line]: <dotted key>: <problem>``, or, when an override
+    is to blame, ``<override>: <dotted key>: <problem>``. ``root``: the file's YAML node
+    tree, for line numbers."""
+    if overrides:
+        data = apply_overrides(data, overrides)
     try:
         return ClusterConfig.model_validate(data)
     except ValidationError as exc:
@@ -914,23 +933,34 @@ def parse_cluster_yaml(text: str, source: str = "<string>") -> ClusterConfig:
                     if not (isinstance(p, str) and p.startswith("function-"))
                     and not (i and err["loc"][i - 1] == "entrypoint" and p in (_PROGRAM, "builtin")))
         key = ".".join(_key_text(p) for p in loc)
-        line = _line_of(root, loc) if loc else None
-        where = f":{line}" if line else ""
         msg = " ".join(err["msg"].removeprefix("Value error, ").splitlines())
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         more = f" (and {len(exc.errors()) - 1} more problem(s))" if len(exc.errors()) > 1 else ""
-        prefix = f"{source}{where}: {key}: " if key else f"{source}: "
-        raise ConfigError(f"{prefix}{msg}{more}") from None
+        culprit, alone = blamed(overrides, loc, msg)
+        if culprit is not None and alone:
+            where = culprit.source
+        else:
+            line = _line_of(root, loc) if loc and root is not None else None
+            where = f"{source}:{line}" if line else source
+            if culprit is not None:  # a section's own rule, over the file's values and the override's
+                where += f" with {culprit.source}"
+            elif overrides and not loc:  # a rule across sections: the file, or what was set on it
+                where += f" with {', '.join(o.source for o in overrides)}"
+        prefix = f"{where}: {key}: " if key else f"{where}: "
+        raise ConfigError(f"{prefix}{msg}{more}", hint=_FILE_HINT) from None
 
 
-def load_cluster_config(path: str | Path) -> ClusterConfig:
-    """Read, parse and validate a cluster.yaml file."""
+def load_cluster_config(path: str | Path, overrides: Sequence[Override] = ()) -> ClusterConfig:
+    """Read, parse and validate a cluster.yaml file, ``overrides`` (``--set``) set on it
+    before validation."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
+        raise ConfigError(f"{path}: no such file", hint="--cluster (or FLEET_CLUSTER) names the file; "
+                          "without either fleet runs examples/local.yaml") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
-    return parse_cluster_yaml(text, source=str(path))
+    return parse_cluster_yaml(text, source=str(path), overrides=overrides)
+

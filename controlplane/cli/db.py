@@ -3,50 +3,36 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from fleet.controlplane.cli.common import DEFAULT_STORE_URL, JsonOpt
-from fleet.controlplane.cli.render import console, print_json
+from fleet.controlplane.cli.common import STORE_ENV, ClusterOpt, JsonOpt, store_url_of
+from fleet.controlplane.cli.render import console, print_json, progress
 
 app = typer.Typer(name="db", help="The store's schema: migrations.", no_args_is_help=True)
 
+#: The shared --store option, also spelt --url here (its first name).
 UrlOpt = Annotated[
     str | None,
-    typer.Option("--url", "--store",
-                 help="SQLAlchemy URL of the store [default: the --cluster file's store.url]"),
+    typer.Option("--url", "--store", envvar=STORE_ENV, show_envvar=True,
+                 help="SQLAlchemy URL of the store \\[default: the --cluster file's store.url]"),
 ]
-ClusterOpt = Annotated[
-    Path | None,
-    typer.Option("--cluster", "-c", help="cluster.yaml whose store to use [default: examples/local.yaml]"),
-]
-
-
-def _store_url(url: str | None, cluster: Path | None) -> str:
-    """--url, else the cluster file's store.url (the file `fleet up` runs by default)."""
-    from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
-
-    if url:
-        return url
-    if cluster is not None:
-        return load_cluster_config(cluster).store.url
-    if DEFAULT_CLUSTER_FILE.exists():
-        return load_cluster_config(DEFAULT_CLUSTER_FILE).store.url
-    return DEFAULT_STORE_URL
 
 
 @app.command("upgrade")
-def upgrade(url: UrlOpt = None, cluster: ClusterOpt = None) -> None:
+def upgrade(url: UrlOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt = False) -> None:
     """Migrate the store's schema to this fleet's newest revision, keeping every row."""
     from fleet.controlplane.store import migrate
     from fleet.controlplane.store.engine import redact
 
-    store_url = _store_url(url, cluster)
-    before, after = migrate.upgrade_url(store_url)
+    store_url, _ = store_url_of(url, cluster)
     shown = redact(store_url)
-    if before == after:
+    with progress(f"upgrading store {shown}"):
+        before, after = migrate.upgrade_url(store_url)
+    if json_out:
+        print_json({"url": shown, "before": before, "after": after, "changed": before != after})
+    elif before == after:
         console.print(f"store {shown} already at {after} (head)", highlight=False, soft_wrap=True)
     else:
         console.print(f"store {shown} upgraded {before or '(empty)'} -> {after}",
@@ -68,7 +54,7 @@ def current(url: UrlOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt = 
     """Show the store's schema revision; changes nothing."""
     from fleet.controlplane.store import migrate
 
-    s = migrate.inspect_url(_store_url(url, cluster))
+    s = migrate.inspect_url(store_url_of(url, cluster)[0])
     if json_out:
         print_json({"url": s.url, "current": s.current, "head": s.head, "state": s.state})
         return

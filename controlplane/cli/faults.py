@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from fleet.controlplane.chaos import FAULT_KINDS, KIND_HELP, SDC_TARGETS, FaultOrder, validate_order
-from fleet.controlplane.cli.common import JsonOpt, StateDirOpt
+from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StateDirOpt, state_dir_of
 from fleet.controlplane.cli.render import console, print_json
 from fleet.controlplane.errors import ConfigError
 from fleet.workers.faults import DEFAULT_SLOW_DELAY_S
@@ -39,7 +38,8 @@ def inject_fault(
     persistent: Annotated[bool, typer.Option(
         "--persistent", help="sdc: corrupt on every step from then on (a defective unit), not once.")] = False,
     controller: Annotated[str | None, typer.Option("--controller", help="Controller host:port.")] = None,
-    state_dir: StateDirOpt = Path(".fleet"),
+    state_dir: StateDirOpt = None,
+    cluster: ClusterOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Inject a fault into a running job: CLI -> ControlService -> controller, agent or worker."""
@@ -51,7 +51,7 @@ def inject_fault(
                        after_s=after, duration_s=duration, delay_s=delay, target=target, bit=bit,
                        value_error=value_error, persistent=persistent)
     validate_order(order)
-    with ControlClient.from_state_dir(state_dir, controller) as client:
+    with ControlClient.from_state_dir(state_dir_of(state_dir, cluster), controller) as client:
         reply = client.inject_fault(job, kind, rank=order.rank, node=order.node, at_step=at_step,
                                     duration_s=duration, after_s=after, delay_s=delay, target=target, bit=bit,
                                     value_error=value_error, persistent=persistent)

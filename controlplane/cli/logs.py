@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from fleet.controlplane.cli.common import ClusterOpt, StoreOpt, open_store
+from fleet.controlplane.cli.common import ClusterOpt, StateDirOpt, StoreOpt, open_store, state_dir_of
 from fleet.controlplane.errors import Interrupted, NotFoundError
 from fleet.controlplane.logtee import LogTee, rank_logs
 
@@ -41,15 +41,11 @@ def logs(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Keep printing new lines until the attempt ends (or Ctrl-C).")
     ] = False,
-    state_dir: Annotated[
-        Path | None, typer.Option("--state-dir", help="The job's state_dir \\[default: the --cluster file's, "
-                                                      "else .fleet].")
-    ] = None,
+    state_dir: StateDirOpt = None,
     store: StoreOpt = None, cluster: ClusterOpt = None,
 ) -> None:
     """Print the stdout and stderr of a job's ranks (the last attempt by default)."""
-    if state_dir is None:
-        state_dir = _cluster_state_dir(cluster)
+    state_dir = state_dir_of(state_dir, cluster)
     number, folder = attempt_log_dir(state_dir, job_id, attempt)
     ranks = rank_logs(folder)
     if rank is not None and rank not in ranks:
@@ -62,7 +58,7 @@ def logs(
         for r in shown:
             print_log(ranks[r], _out, prefix=f"[rank {r}] " if len(shown) > 1 else "")
         return
-    if store is None and cluster is None:
+    if store is None and cluster is None:  # `fleet run`'s layout: the store is in the state folder
         store = f"sqlite:///{state_dir / 'fleet.db'}"
     with open_store(store, cluster) as st:
         follow_logs(st, job_id, number, folder, rank, _out_now)
@@ -77,7 +73,9 @@ def attempt_log_dir(state_dir: Path, job_id: str, attempt: int | None) -> tuple[
         found = {int(m.group(1)): p for p in job_dir.iterdir()
                  if (m := _ATTEMPT_DIR.match(p.name)) and p.is_dir()}
     if not found:
-        raise NotFoundError(f"job {job_id}: no logs under {state_dir / 'logs'}")
+        raise NotFoundError(f"job {job_id}: no logs under {state_dir / 'logs'}",
+                            hint="--state-dir (or FLEET_STATE_DIR) names the folder the job ran in: "
+                                 "its cluster file's state_dir, or `fleet run --state-dir`")
     if attempt is None:
         attempt = max(found)
     if attempt not in found:
@@ -121,14 +119,6 @@ def _world_size(config_json: str) -> int | None:
         return int(job["nodes"]) * int(job["ranks_per_node"])
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _cluster_state_dir(cluster: Path | None) -> Path:
-    if cluster is None:
-        return Path(".fleet")
-    from fleet.controlplane.config import load_cluster_config
-
-    return Path(load_cluster_config(cluster).state_dir)
 
 
 def _listing(numbers: dict[int, Path]) -> str:

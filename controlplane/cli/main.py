@@ -1,8 +1,9 @@
 """Entry point of the `fleet` command: wires the noun modules and owns error handling.
 
-Only this function catches broadly: a ``FleetError`` prints one line and exits with its
-code; ``--traceback`` shows the full traceback instead. Usage errors are typer's own
-(exit code 2 with the usage line).
+Only this function catches broadly: a ``FleetError`` prints two lines on stderr,
+``error: <message>`` and ``hint: <what to do>``, and exits with its class's code;
+``--traceback`` prints the full traceback before them. Usage errors are typer's own (exit
+code 2 with the usage line).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import traceback
 
 import typer
 
-from fleet.controlplane.cli import db, faults, jobs, logs, model, nodes, replay, report, run, up
-from fleet.controlplane.cli.render import err_console
+from fleet.controlplane.cli import config_cmd, db, faults, jobs, logs, model, nodes, replay, report, run, up
+from fleet.controlplane.cli.render import print_error
 from fleet.controlplane.errors import FleetError
 
 app = typer.Typer(
@@ -36,6 +37,7 @@ app.command("report")(report.report)
 app.command("inject-fault")(faults.inject_fault)
 app.command("model-info")(model.model_info)
 app.add_typer(db.app, name="db")
+app.add_typer(config_cmd.app, name="config")
 
 def _fleet_args_end(args: list[str]) -> int:
     """Where fleet's own arguments end: `fleet run`'s program gets the rest untouched, a
@@ -44,6 +46,20 @@ def _fleet_args_end(args: list[str]) -> int:
     if args[command:command + 1] != ["run"]:
         return len(args)
     return command + 1 + run.program_start(args[command + 1:], typer.main.get_command(app).commands["run"])
+
+
+def _hint(exc: FleetError, args: list[str]) -> str:
+    """The error's hint, ``fleet <command>`` in it made the command the user ran."""
+    hint = exc.hint or ""
+    if "fleet <command>" not in hint:
+        return hint
+    commands = typer.main.get_command(app).commands
+    words = [a for a in args if not a.startswith("-")][:2]
+    command = words[:1]
+    group = commands.get(words[0]) if words else None
+    if group is not None and hasattr(group, "commands") and words[1:] and words[1] in group.commands:
+        command = words[:2]
+    return hint.replace("fleet <command>", " ".join(["fleet", *command]) if command else "fleet")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except FleetError as exc:
         if show_traceback:
             traceback.print_exc()
-        err_console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc), _hint(exc, args[:own]))
         code = exc.exit_code
     if argv is None:
         sys.exit(code)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StateDirOpt, StoreOpt, open_store
-from fleet.controlplane.cli.render import console, err_console, fmt_time, print_json, print_table
+from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StateDirOpt, StoreOpt, open_store, state_dir_of
+from fleet.controlplane.cli.render import console, err_console, fmt_time, print_json, print_table, progress
 from fleet.controlplane.errors import ConfigError, NotFoundError, StateError, UnavailableError
 from fleet.controlplane.lifecycle import NodeActor, NodeState
 
@@ -114,15 +114,21 @@ def nodes(store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt 
 def quarantine(
     node: Annotated[str, typer.Argument(help="Node name, as `fleet nodes` lists it.")],
     reason: Annotated[str, typer.Option("--reason", help="Why (stored and shown by `fleet nodes`).")],
-    store: StoreOpt = None, cluster: ClusterOpt = None,
+    store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt = False,
 ) -> None:
     """Take a node out of placement: no attempt starts on it until `fleet release`. Kept in
-    the store, so it outlives the controller; a running attempt is not moved."""
+    the store, so it outlives the controller; a running attempt is not moved. --json:
+    ``{"node", "state", "reason", "quarantined_since"}``."""
     if not reason.strip():
-        raise ConfigError("--reason must say why the node is quarantined")
+        raise ConfigError("--reason must say why the node is quarantined",
+                          hint="--reason is stored and shown by `fleet nodes`: e.g. --reason 'ECC errors'")
     with open_store(store, cluster) as st:
         st.quarantine_node(node, reason.strip(), actor=NodeActor.OPERATOR)
         record = next(n for n in st.list_nodes() if n.name == node)
+    if json_out:
+        print_json({"node": node, "state": record.state.value, "reason": record.quarantine_reason,
+                    "quarantined_since": record.quarantined_since})
+        return
     console.print(f"{node} quarantined since {fmt_time(record.quarantined_since)}: "
                   f"{record.quarantine_reason}", highlight=False)
 
@@ -135,52 +141,64 @@ def release(
     timeout: Annotated[float, typer.Option(
         "--timeout", help="Seconds to wait for the node's GEMM test.")] = RELEASE_CHECK_TIMEOUT_S,
     controller: Annotated[str | None, typer.Option("--controller", help="Controller host:port.")] = None,
-    state_dir: StateDirOpt = Path(".fleet"),
-    store: StoreOpt = None, cluster: ClusterOpt = None,
+    state_dir: StateDirOpt = None,
+    store: StoreOpt = None, cluster: ClusterOpt = None, json_out: JsonOpt = False,
 ) -> None:
     """Return a quarantined node to placement (a healthy one is left as it is). With a
     controller running, the node's agent runs the known-answer GEMM test first and a
     node that fails it stays quarantined; --force skips the test. With none running the
-    node is released untested, and the pre-flight test runs before its next attempt."""
+    node is released untested, and the pre-flight test runs before its next attempt.
+    --json: ``{"node", "released", "gemm_check"}`` (the test's verdict and line, or null
+    when none ran)."""
     if not 0 < timeout <= 600:
         raise ConfigError(f"--timeout: must be in (0, 600] seconds (got {timeout:g})")
     reason = reason.strip() or _RELEASED
+    gemm: dict | None = None
     with open_store(store, cluster) as st:
         record = next((n for n in st.list_nodes() if n.name == node), None)
         if record is None:
-            raise NotFoundError(f"node {node!r} not found")
+            raise NotFoundError(f"node {node!r} not found", hint="`fleet nodes` lists the nodes in the store")
         if record.state is NodeState.QUARANTINED and not force:
-            passed = _gemm_gate(node, state_dir, controller, timeout)
-            if passed:
-                reason = f"{reason} ({passed})"
+            gemm = _gemm_gate(node, state_dir_of(state_dir, cluster), controller, timeout, quiet=json_out)
+            if gemm is not None:
+                reason = f"{reason} (GEMM test passed: {gemm['reason']})"
         moved = st.release_node(node, actor=NodeActor.OPERATOR, reason=reason)
-    if moved:
+    if json_out:
+        print_json({"node": node, "released": moved, "gemm_check": gemm})
+    elif moved:
         console.print(f"{node} released: healthy, available to new attempts", highlight=False)
     else:
         console.print(f"{node} was not quarantined: healthy, available to new attempts", highlight=False)
 
 
-def _gemm_gate(node: str, state_dir: Path, address: str | None, timeout_s: float) -> str:
-    """Run the node's GEMM test through the running controller: "" when no controller
-    runs here (warned), the passing test's line when it passes; a FleetError when it
-    fails or cannot run (the node stays quarantined)."""
+def _gemm_gate(node: str, state_dir: Path, address: str | None, timeout_s: float,
+               quiet: bool = False) -> dict | None:
+    """Run the node's GEMM test through the running controller: None when no controller
+    runs here (warned on stderr), ``{"verdict": "ok", "reason"}`` when it passes (also
+    printed, unless ``quiet``); a FleetError when it fails or cannot run (the node stays
+    quarantined)."""
     from fleet.controlplane.client import ControlClient  # grpc: only when a controller is asked
 
     if address is None and not (state_dir / "controller.json").exists():
         err_console.print(f"[yellow]warning:[/] no controller is running ({state_dir / 'controller.json'} does "
                           f"not exist): {node} is released without a known-answer GEMM test; the pre-flight "
                           "test runs before an attempt is placed on it", highlight=False, soft_wrap=True)
-        return ""
+        return None
     try:
-        with ControlClient.from_state_dir(state_dir, address) as client:
+        with ControlClient.from_state_dir(state_dir, address) as client, \
+                progress(f"{node}: running the known-answer GEMM test (up to {timeout_s:g} s)"):
             check = client.check_node(node, timeout_s)
     except UnavailableError as exc:
-        raise UnavailableError(f"cannot release {node}: its GEMM test did not run: {exc} "
-                               "(--force releases it without the test)") from None
+        raise UnavailableError(f"cannot release {node}: its GEMM test did not run: {exc}",
+                               hint="is `fleet up` running with its agent on that node? "
+                                    "--force releases it without the test") from None
     if check.verdict == "ok":
-        console.print(f"{node}: {check.reason}", highlight=False)
-        return f"GEMM test passed: {check.reason}"
+        if not quiet:
+            console.print(f"{node}: {check.reason}", highlight=False)
+        return {"verdict": check.verdict, "reason": check.reason}
     if check.verdict == "failed":
-        raise StateError(f"cannot release {node}: {check.reason}; it stays quarantined "
-                         "(--force releases it anyway)")
-    raise UnavailableError(f"cannot release {node}: {check.reason} (--force releases it without the test)")
+        raise StateError(f"cannot release {node}: {check.reason}; it stays quarantined",
+                         hint="a node that fails the known-answer GEMM test computes wrong results; "
+                              "--force releases it anyway")
+    raise UnavailableError(f"cannot release {node}: {check.reason}",
+                           hint="--force releases it without the test")

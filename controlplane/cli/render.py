@@ -1,14 +1,18 @@
-"""The one table renderer: every listing prints as a Rich table, or as JSON with --json."""
+"""The one table renderer: every listing prints as a Rich table, or as JSON with --json.
+Also the CLI's other output conventions: an error as two lines on stderr (``print_error``)
+and a spinner on stderr while a long step runs (``progress``); stdout carries only results."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from fleet.workers.failures import signal_name
 
@@ -21,6 +25,28 @@ def _console(stderr: bool = False) -> Console:
 
 console = _console()
 err_console = _console(stderr=True)
+
+
+def print_error(message: str, hint: str = "") -> None:
+    """``error: <message>`` and, when there is one, ``hint: <hint>`` (dim) on stderr: one
+    line each, whatever the terminal's width; brackets in either are text, not markup."""
+    err_console.print(Text.assemble(("error:", "red"), " ", " ".join(message.splitlines())),
+                      highlight=False, soft_wrap=True)
+    if hint:
+        err_console.print(Text.assemble("hint: ", " ".join(hint.splitlines()), style="dim"),
+                          highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def progress(message: str) -> Iterator[Callable[[str], None]]:
+    """A spinner with ``message`` on stderr while the block runs; yields a function that
+    replaces the message. Only on a terminal: a pipe, a log or CI gets nothing, and
+    stdout (a --json document) never does."""
+    if not err_console.is_terminal:
+        yield lambda _message: None
+        return
+    with err_console.status(Text(message), spinner="dots") as status:
+        yield lambda text: status.update(Text(text))
 
 
 def print_json(data: Any) -> None:

@@ -26,6 +26,7 @@ from fleet.controlplane.cli.render import (
     print_json,
     print_table,
     print_traceback,
+    progress,
     step_text,
 )
 from fleet.controlplane.errors import ConfigError, DumpError, NotFoundError
@@ -197,12 +198,8 @@ def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path 
     from fleet.controlplane.diagnosis import diagnose, load_traces
     from fleet.controlplane.diagnosis.stacks import finding_stacks
 
-    if json_out:
-        traces = load_traces(folder, prefix)
-    else:
-        with console.status(f"reading dumps in {folder} ...") as status:
-            traces = load_traces(folder, prefix,
-                                 progress=lambda done, total: status.update(f"read {done}/{total} dumps"))
+    with progress(f"reading dumps in {folder} ...") as say:  # stderr, on a terminal only
+        traces = load_traces(folder, prefix, progress=lambda done, total: say(f"read {done}/{total} dumps"))
     diag = diagnose(traces)
     full = diag.to_json()
     view.resolve(full["groups"])
@@ -231,7 +228,7 @@ def _replay_job(job_id: str, attempt: int | None, view: _View, perfetto: Path | 
     from fleet.controlplane.fronts_replay import has_fronts
     from fleet.controlplane.replay import replay_report
 
-    with open_store(store, cluster) as st:
+    with open_store(store, cluster) as st, progress(f"reading and analysing job {job_id} ..."):
         if has_fronts(st, job_id):
             report = _fronts_report(st, job_id, attempt, view, perfetto, last_steps, paging, json_out)
         elif paging:

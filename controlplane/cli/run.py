@@ -1,13 +1,14 @@
 """`fleet run`: torchrun's shape for your own script, under the whole control plane.
 
-``fleet run [--nodes N] [--nproc-per-node R] [--max-restarts K] script.py [args...]``
-(or ``-m module [args...]``) builds a ``ClusterConfig`` in memory (``run_config``):
-the embedded default's settings (``examples/local.yaml``) without its built-in-trainer
-recipe, a local Ray cluster of N simulated nodes, R ranks per node, and
+``fleet run [--nodes N] [--nproc-per-node R] [--max-restarts K] [--set KEY=VALUE]...
+script.py [args...]`` (or ``-m module [args...]``) builds a ``ClusterConfig`` in memory
+(``run_config``): the embedded default's settings (``examples/local.yaml``) without its
+built-in-trainer recipe, a local Ray cluster of N simulated nodes, R ranks per node, and
 ``job.entrypoint`` = the program, its arguments, the current directory as workdir, the
 caller's environment, and tee on. The store is SQLite under ``--state-dir``. The job
 then takes the same path as `fleet up` (``up.run_job``), and the exit code is 0 only
-when it SUCCEEDED.
+when it SUCCEEDED. ``--set`` (and ``FLEET_STORE``) override keys of that config last,
+validated as cluster.yaml's are.
 
 Everything after the script or module goes to the program untouched, options included
 (click stops parsing options at the first positional argument); ``program_start``
@@ -22,10 +23,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from fleet.controlplane.cli.common import DEFAULT_STATE_DIR, STATE_DIR_ENV, SetOpt, env_overrides
 from fleet.controlplane.errors import ConfigError
 
 if TYPE_CHECKING:  # the config imports pydantic and gRPC: only `fleet run` itself pays for them
     from fleet.controlplane.config import ClusterConfig
+    from fleet.controlplane.config_overrides import Override
 
 #: What `fleet run` names itself in errors (where `fleet up` names the cluster file).
 SOURCE = "fleet run"
@@ -59,34 +62,42 @@ def run(
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show controller logs.")] = False,
     state_dir: Annotated[
-        Path, typer.Option("--state-dir", help="Folder for the store, logs and checkpoints.")
-    ] = Path(".fleet"),
+        Path, typer.Option("--state-dir", envvar=STATE_DIR_ENV, show_envvar=True,
+                           help="Folder for the store, logs and checkpoints.")
+    ] = DEFAULT_STATE_DIR,
+    sets: SetOpt = None,
 ) -> None:
     """Run your own torch.distributed script (or -m module) on every rank, torchrun-style,
     with fleet's tracing, diagnosis and restarts. Prints the job id first; exits 0 only
-    when every rank finished."""
+    when every rank finished. --set overrides a key of the config it builds (job.*,
+    detect.*, ...); FLEET_STORE overrides its store."""
     from fleet.controlplane.cli.up import run_job
+    from fleet.controlplane.config_overrides import parse_overrides
     from fleet.controlplane.entrypoint import check_entrypoint
 
     if not program:
         raise ConfigError(f"{SOURCE}: give a script to run, or -m and a module")
     if program[0].startswith("-") and program[0] != "-":
         raise ConfigError(f"{SOURCE}: no such option: {program[0]} (a script's own options come after it)")
+    # FLEET_STATE_DIR is --state-dir's variable already: only the store's is an override here
+    overrides = [o for o in env_overrides() if o.key != ("state_dir",)] + parse_overrides(sets)
     config = run_config(program[0], program[1:], module=module, nodes=nodes, nproc_per_node=nproc_per_node,
-                        max_restarts=max_restarts, tee=tee, state_dir=state_dir, workdir=Path.cwd())
+                        max_restarts=max_restarts, tee=tee, state_dir=state_dir, workdir=Path.cwd(),
+                        overrides=overrides)
     check_entrypoint(config, SOURCE)
     run_job(config, json_out=json_out, verbose=verbose, announce=not json_out)
 
 
 def run_config(target: str, args: Sequence[str], *, module: bool = False, nodes: int = 1,
                nproc_per_node: int = 1, max_restarts: int = DEFAULT_MAX_RESTARTS, tee: bool = True,
-               state_dir: Path = Path(".fleet"), workdir: Path | None = None) -> ClusterConfig:
+               state_dir: Path = DEFAULT_STATE_DIR, workdir: Path | None = None,
+               overrides: Sequence[Override] = ()) -> ClusterConfig:
     """The cluster config `fleet run` runs ``target`` (a script path relative to
-    ``workdir``, or a module with ``module``) with; ``ConfigError`` names a bad value."""
+    ``workdir``, or a module with ``module``) with, ``overrides`` (``--set``) set on it
+    last; ``ConfigError`` names a bad value (or the override that set it)."""
     import yaml
-    from pydantic import ValidationError
 
-    from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, ClusterConfig
+    from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, validate_cluster_data
     from fleet.workers.spec import TrainArgs, documented_fields
 
     data: dict[str, Any] = yaml.safe_load(DEFAULT_CLUSTER_FILE.read_text(encoding="utf-8")) or {}
@@ -103,15 +114,7 @@ def run_config(target: str, args: Sequence[str], *, module: bool = False, nodes:
         ray={**(data.get("ray") or {}), "address": None, "nodes": nodes},
         store={"url": f"sqlite:///{state_dir / 'fleet.db'}"},
     )
-    try:
-        return ClusterConfig.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        # the entrypoint's union tags ("program", "builtin") and validator names are no keys
-        key = ".".join(str(p) for p in err["loc"]
-                       if p not in ("program", "builtin") and not str(p).startswith("function-"))
-        msg = " ".join(err["msg"].removeprefix("Value error, ").splitlines())
-        raise ConfigError(f"{SOURCE}: {key}: {msg}") from None
+    return validate_cluster_data(data, SOURCE, overrides=overrides)
 
 
 def _job_name(target: str, module: bool) -> str:

@@ -18,6 +18,7 @@ import typer
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fleet.controlplane.cli.common import CLUSTER_ENV, SetOpt, load_cluster
 from fleet.controlplane.cli.render import console, err_console, print_json
 from fleet.controlplane.errors import Interrupted, JobFailedError, JobStoppedError
 from fleet.controlplane.lifecycle import JobState
@@ -44,9 +45,11 @@ def _setup_logging(state_dir: Path, verbose: bool) -> Path:
 
 def up(
     cluster: Annotated[
-        Path | None, typer.Option("--cluster", "-c", help="cluster.yaml to run [default: examples/local.yaml].",
+        Path | None, typer.Option("--cluster", "-c", envvar=CLUSTER_ENV, show_envvar=True,
+                                  help="cluster.yaml to run [default: examples/local.yaml].",
                                   show_default="examples/local.yaml")
     ] = None,
+    sets: SetOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show controller logs.")] = False,
     resume: Annotated[
@@ -55,12 +58,12 @@ def up(
                                "from the newest valid checkpoint.")
     ] = "",
 ) -> None:
-    """Run the job described in a cluster.yaml until it succeeds, fails for good, or is stopped."""
-    from fleet.controlplane.config import DEFAULT_CLUSTER_FILE, load_cluster_config
+    """Run the job described in a cluster.yaml until it succeeds, fails for good, or is
+    stopped (exit 0, 7, 8). --set overrides a key of the file; FLEET_STORE and
+    FLEET_STATE_DIR override store.url and state_dir."""
     from fleet.controlplane.entrypoint import check_entrypoint
 
-    cluster = DEFAULT_CLUSTER_FILE if cluster is None else cluster
-    config = load_cluster_config(cluster)
+    config, cluster = load_cluster(cluster, sets)  # before anything starts: a bad --set is exit 2 at once
     check_entrypoint(config, str(cluster))
     run_job(config, json_out=json_out, verbose=verbose, resume=resume)
 
@@ -150,9 +153,12 @@ def run_job(config: ClusterConfig, *, json_out: bool = False, verbose: bool = Fa
         )
         console.print(f"inspect: fleet replay {result.job_id}    logs: {log_path}")
     if result.state is JobState.FAILED:
-        raise JobFailedError(f"job {result.job_id} failed: {result.reason}")
+        raise JobFailedError(f"job {result.job_id} failed: {result.reason}",
+                             hint=f"`fleet report {result.job_id}` and `fleet replay {result.job_id}` show why")
     if result.state is JobState.STOPPED:
-        raise JobStoppedError(f"job {result.job_id} stopped: {result.reason}")
+        raise JobStoppedError(f"job {result.job_id} stopped: {result.reason}",
+                              hint=f"stopped on purpose (exit code 8, not a failure); "
+                                   f"`fleet report {result.job_id}` shows its attempts")
 
 
 def _terminal_writer(terminal: int, bar: Progress) -> Callable[[str], None]:

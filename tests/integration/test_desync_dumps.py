@@ -164,8 +164,8 @@ def test_a_truncated_dump_fails_replay_with_one_line_naming_it(scenario, tmp_pat
     proc = replay_json(folder)
 
     assert proc.returncode != 0
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()  # the error, and its hint
+    assert len(lines) == 2 and lines[1].startswith("hint: "), proc.stderr
     assert "Traceback" not in proc.stderr
     assert str(broken) in lines[0] or broken.name in lines[0], lines[0]
     assert proc.stdout == ""

@@ -238,8 +238,9 @@ def test_a_missing_script_is_one_line_and_starts_nothing(tmp_path: Path) -> None
         time.sleep(0.02)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "job.entrypoint.script" in lines[0] and "no_such_train.py" in lines[0], err
+    lines = err.strip().splitlines()  # the error, and its hint
+    assert len(lines) == 2 and "job.entrypoint.script" in lines[0] and "no_such_train.py" in lines[0], err
+    assert lines[1].startswith("hint: "), err
     assert out == ""
     assert not started, started
     # nothing was started: no Ray session, no store, no logs

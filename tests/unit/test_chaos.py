@@ -484,7 +484,8 @@ def test_cli_refuses_bad_flags_before_connecting(capsys, tmp_path, argv, needle)
     # tmp_path holds no controller.json: a flag error must come first
     code, text = _cli(capsys, *argv, "--state-dir", str(tmp_path))
     assert code == ConfigError.exit_code == 2
-    assert "\n" not in text and text.startswith(needle), text
+    lines = text.split("\n")  # the error, and its hint: one line each
+    assert len(lines) == 2 and lines[0].startswith(needle) and lines[1].startswith("hint: "), text
 
 
 def test_cli_help_describes_every_kind(capsys):

@@ -31,8 +31,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _one_line(text: str) -> str:
+    """The error's line: an error prints it and one ``hint:`` line, nothing else."""
     lines = [line for line in text.splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected one line, got: {text!r}"
+    assert len(lines) == 2 and lines[1].startswith("hint: "), f"expected an error and a hint, got: {text!r}"
     return lines[0]
 
 

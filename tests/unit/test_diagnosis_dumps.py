@@ -120,7 +120,8 @@ def test_cli_bad_file_prints_one_line(tmp_path, capsys):
     (folder / "fr_dump_0").write_bytes(b"\x80\x04garbage")
     assert cli(["replay", "--dumps", str(folder), "--json"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "fr_dump_0" in err and "Traceback" not in err
+    lines = err.splitlines()  # the error, and its hint
+    assert len(lines) == 2 and "fr_dump_0" in lines[0] and lines[1].startswith("hint: ") and "Traceback" not in err
 
 
 def test_cli_json_and_perfetto(tmp_path, capsys):

@@ -67,8 +67,9 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def one_line(text: str) -> str:
+    """The error's line: an error prints it and one ``hint:`` line, nothing else."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
-    assert len(lines) == 1, text
+    assert len(lines) == 2 and lines[1].startswith("hint: "), text
     assert "Traceback" not in text
     return lines[0]
 
