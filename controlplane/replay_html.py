@@ -78,14 +78,14 @@ def render_html(doc: Mapping[str, Any]) -> str:
     title = f"fleet replay {doc['source']}: {verdict.upper()}"
     data = {"verdict": {k: diag.get(k) for k in ("verdict", "summary", "culprit_ranks", "missing_ranks")},
             "timeline": tl, "colors": colors,
-            "job": None if job is None else {k: job[k] for k in ("attempts", "incidents", "attempt_shown")}}
+            "job": None if job is None else {"attempt_shown": job["attempt_shown"]}}
     parts = [
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n",
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n",
         f"<title>{e(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n",
         _header(doc, diag, job),
         _findings(diag),
-        _timeline(tl, doc.get("notes", []), colors),
+        _timeline(tl, job, doc.get("notes", []), colors),
         _job_parts(job),
         "<svg width=\"0\" height=\"0\" style=\"position:absolute\" aria-hidden=\"true\"><defs>"
         "<pattern id=\"fleet-hatch\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "
@@ -151,18 +151,35 @@ def _findings(diag: Mapping[str, Any]) -> str:
     return "".join(out)
 
 
-def _timeline(tl: Mapping[str, Any], notes: Sequence[str], colors: Mapping[str, str]) -> str:
+def _track_h(ranks: int) -> int:
+    """Pixels per track: 512 ranks must fit a few screens."""
+    return 9 if ranks > 256 else 13 if ranks > 64 else 20
+
+
+def _timeline(tl: Mapping[str, Any], job: Mapping[str, Any] | None, notes: Sequence[str],
+              colors: Mapping[str, str]) -> str:
     out = ["<section id=\"timeline\"><h2>Timeline: collectives per rank</h2>"]
     for line in [*notes, tl.get("note", "")]:
         if line:
             out.append(f"<p class=\"note\">{e(line)}</p>")
+    marks = _marks(job)
+    flags = "".join(f"<span class=\"axis-flag {'incident' if 'incident' in cls else 'attempt'}\" id=\"flag-mark-{k}\" "
+                    f"style=\"display:none\" title=\"{e(text)}\">{e(flag)}</span>"
+                    for k, (_, cls, flag, _, text) in enumerate(marks) if flag)
+    h = _track_h(len(tl["ranks"]))
     out.append("<div id=\"tl-controls\"><button id=\"tl-fit\">Fit collectives</button>"
                "<button id=\"tl-culprit\">Culprit</button><button id=\"tl-whole\">Whole job</button>"
                "<button id=\"tl-in\">Zoom in</button><button id=\"tl-out\">Zoom out</button></div>"
                "<div id=\"tl-info\" class=\"muted\"></div>"
                "<div id=\"tl-axis\"><div class=\"pad\"></div><div class=\"scale\">"
-               "<canvas id=\"tl-axis-canvas\"></canvas></div></div>"
-               "<div id=\"tl-tracks\"></div>"
+               f"<canvas id=\"tl-axis-canvas\"></canvas>{flags}</div></div>"
+               f"<div id=\"tl-tracks\" data-track-h=\"{h}\" style=\"--track-h:{h}px\">")
+    out.append(_tracks(tl))
+    out.append("<svg id=\"tl-markers\" width=\"0\" height=\"0\">")
+    for k, (t, cls, _, attempt, text) in enumerate(marks):
+        out.append(f"<g class=\"marker {cls}\" id=\"mark-{k}\" data-t=\"{t}\" data-attempt=\"{attempt}\">"
+                   f"<line class=\"vis\"/><line class=\"hit\"/><title>{e(text)}</title></g>")
+    out.append("</svg></div>"
                f"<noscript><p class=\"note\">The timeline needs JavaScript: {len(tl['ranks'])} ranks, "
                f"{tl['cells']} collectives.</p></noscript>")
     legend = [f"<span><span class=\"sw\" style=\"background:{e(c)}\"></span>{e(op)}</span>"
@@ -175,6 +192,57 @@ def _timeline(tl: Mapping[str, Any], notes: Sequence[str], colors: Mapping[str, 
                "<span><span class=\"sw attempt\"></span>attempt start / restart</span>"]
     out.append(f"<div class=\"legend\" id=\"legend\">{''.join(legend)}</div></section>\n")
     return "".join(out)
+
+
+def _tracks(tl: Mapping[str, Any]) -> str:
+    """One ``.track[data-rank]`` per rank: its label, a canvas lane the script draws, and
+    the SVG rects of its highlights (placed by the script)."""
+    groups = dict((g, d) for g, d in tl["groups"])
+    by_rank: dict[int, list[tuple[int, Mapping[str, Any]]]] = {}
+    for k, hl in enumerate(tl["highlights"]):
+        by_rank.setdefault(hl["rank"], []).append((k, hl))
+    absent, nodes = set(tl["absent"]), tl["nodes"]
+    out = []
+    for i, r in enumerate(tl["ranks"]):
+        cls = "track" + (" is-culprit" if r in by_rank else "") + (" absent" if r in absent else "")
+        label = f"rank {r}" + (f" \u00b7 {nodes[str(r)]}" if str(r) in nodes else "") + \
+            (" (no trace)" if r in absent else "")
+        rects = []
+        for k, hl in by_rank.get(r, ()):
+            group = hl["group"] + (f" ({groups[hl['group']]})" if groups.get(hl["group"]) not in (None, "", hl["group"])
+                                   else "")
+            did = "never entered" if hl["kind"] == "missing" else "entered"
+            fill = " fill=\"url(#fleet-hatch)\"" if hl["kind"] == "missing" else ""
+            rects.append(f"<rect class=\"culprit {e(hl['kind'])}\" data-h=\"{k}\" data-rank=\"{r}\" "
+                         f"data-seq=\"{e(hl['seq'])}\" data-group=\"{e(hl['group'])}\"{fill}><title>rank {r} {did} "
+                         f"seq {e(hl['seq'])} of group {e(group)} ({e(hl['finding'])}): {e(hl['detail'])}</title></rect>")
+        overlay = f"<svg class=\"ov\">{''.join(rects)}</svg>" if rects else ""
+        out.append(f"<div class=\"{cls}\" data-rank=\"{r}\"><span class=\"tl-label\" title=\"{e(label)}\">{e(label)}"
+                   f"</span><div class=\"lane\" data-i=\"{i}\"><canvas></canvas>{overlay}</div></div>")
+    return "".join(out)
+
+
+def _marks(job: Mapping[str, Any] | None) -> list[tuple[float, str, str, int, str]]:
+    """(ms, classes, axis flag, attempt, hover text) of each attempt boundary and incident."""
+    if job is None:
+        return []
+    out = []
+    for a in job["attempts"]:
+        n = a["number"]
+        if a["start_ms"] is not None:
+            restored = f", restored from step {a['restored_step']}" if a["restored_step"] else ""
+            out.append((a["start_ms"], "attempt restart" if n > 1 else "attempt", f"attempt {n}", n,
+                        f"attempt {n} started{restored}" + (" (a restart)" if n > 1 else "")))
+        if a["end_ms"] is not None:
+            out.append((a["end_ms"], "attempt-end", "", n,
+                        f"attempt {n} ended {a['state']}" + (f": {a['reason']}" if a["reason"] else "")))
+    for i in job["incidents"]:
+        if i["at_ms"] is not None:
+            who = (f" rank {i['rank']}" if i["rank"] is not None and i["rank"] >= 0 else "") + \
+                (f" on {i['node']}" if i["node"] else "")
+            out.append((i["at_ms"], "incident", i["kind"], i["attempt"],
+                        f"incident (attempt {i['attempt']}): {i['kind']}{who} by {i['detector']}: {i['evidence']}"))
+    return out
 
 
 def _job_parts(job: Mapping[str, Any] | None) -> str:
@@ -209,8 +277,11 @@ def _incidents(job: Mapping[str, Any]) -> str:
     return "".join(out)
 
 
-def _num(x: float | None, digits: int = 1) -> str:
-    return "-" if x is None else f"{x:,.{digits}f}"
+def _num(x: float | None) -> str:
+    """Seconds to a precision that shows a short test job's milliseconds and a long job's tenths."""
+    if x is None:
+        return "-"
+    return f"{x:,.{3 if abs(x) < 10 else 2 if abs(x) < 100 else 1}f}"
 
 
 def _loss(job: Mapping[str, Any]) -> str:
@@ -243,9 +314,8 @@ def _loss(job: Mapping[str, Any]) -> str:
         v = v0 + (v1 - v0) * k / 4
         svg.append(f"<line class=\"grid\" x1=\"{left}\" x2=\"{w - right}\" y1=\"{y(v):.1f}\" y2=\"{y(v):.1f}\"/>"
                    f"<text x=\"{left - 6}\" y=\"{y(v) + 4:.1f}\" text-anchor=\"end\">{v:.4g}</text>")
-    for k in range(6):
-        s = s0 + (s1 - s0) * k / 5
-        svg.append(f"<text x=\"{x(s):.1f}\" y=\"{h - 8}\" text-anchor=\"middle\">{s:.0f}</text>")
+    for s in sorted({round(s0 + (s1 - s0) * k / 5) for k in range(6)}):  # steps are whole numbers
+        svg.append(f"<text x=\"{x(s):.1f}\" y=\"{h - 8}\" text-anchor=\"middle\">{s}</text>")
     restored = {a["number"]: a["restored_step"] for a in job["attempts"]}
     for i, (n, pts) in enumerate(series):
         color = ATTEMPT_COLORS[i % len(ATTEMPT_COLORS)]
@@ -286,7 +356,7 @@ def _lost_time(job: Mapping[str, Any]) -> str:
         width = v / total * w
         if width > 0:
             svg.append(f"<rect class=\"part\" data-part=\"{key}\" x=\"{x:.2f}\" y=\"0\" width=\"{width:.2f}\" "
-                       f"height=\"{h}\" fill=\"{color}\"><title>{name}: {v:,.1f} s ({v / total:.1%})</title></rect>")
+                       f"height=\"{h}\" fill=\"{color}\"><title>{name}: {_num(v)} s ({v / total:.1%})</title></rect>")
         x += width
     svg.append("</svg>")
     out.append("".join(svg))

@@ -124,7 +124,9 @@ def timeline(traces: TraceSet | None, diagnosis: Mapping[str, Any], *, fronts: S
                               covered).items():
         cells.setdefault(r, []).extend(cs)
     index = {(r, c[2], c[3]): c for r, cs in cells.items() for c in cs}  # what highlights look up
-    cut = False
+    # a rank that recorded more than ``keep`` in one group lost some in ``_trace_cells`` already
+    cut = traces is not None and any(len(o.seqs) > keep for r in cells if r in traced
+                                     for o in traces.ranks[r].groups.values())
     for cs in cells.values():
         cs.sort(key=lambda c: c[0])
         if len(cs) > keep:

@@ -52,7 +52,8 @@ pre { margin: 2px 0; white-space: pre-wrap; }
              border-bottom: 1px solid var(--line); }
 .track { display: flex; height: var(--track-h, 18px); }
 .track:nth-child(even) { background: #f7f8fa; }
-.track .tl-label { width: var(--label-w); flex: none; font-size: 11px; line-height: var(--track-h, 18px);
+.track .tl-label { width: var(--label-w); flex: none; font-size: min(11px, calc(var(--track-h, 18px) + 1px));
+                   line-height: var(--track-h, 18px);
                    overflow: hidden; white-space: nowrap; text-overflow: ellipsis; padding-right: 6px; }
 .track.is-culprit .tl-label { color: var(--bad); font-weight: 700; }
 .track.absent .tl-label { color: var(--muted); font-style: italic; }
@@ -88,7 +89,6 @@ svg.chart line.restart-line { stroke: var(--attempt); stroke-dasharray: 5 3; }
 SCRIPT = r"""
 (function () {
   "use strict";
-  var NS = "http://www.w3.org/2000/svg";
   var D = JSON.parse(document.getElementById("fleet-data").textContent);
   var T = D.timeline, J = D.job, COLORS = D.colors;
   var DONE = 1, WAITING = 2, FRONT = 4, W = T.cell.length;
@@ -97,101 +97,21 @@ SCRIPT = r"""
   var axisCv = document.getElementById("tl-axis-canvas");
   var info = document.getElementById("tl-info");
   var n = T.ranks.length;
-  var trackH = n > 256 ? 9 : n > 64 ? 13 : 20;
-  document.documentElement.style.setProperty("--track-h", trackH + "px");
+  var trackH = +tracksEl.getAttribute("data-track-h");
   var dpr = window.devicePixelRatio || 1;
   var sigColor = T.sigs.map(function (s) { return COLORS[s.split(" ")[0]] || "#888"; });
-  var culprits = {};
-  T.highlights.forEach(function (h) { (culprits[h.rank] = culprits[h.rank] || []).push(h); });
-  var absent = {};
-  T.absent.forEach(function (r) { absent[r] = true; });
 
-  // one DOM track per rank; a canvas draws its collectives, an SVG holds its highlights
-  var lanes = [], canvases = [], overlays = [];
-  var frag = document.createDocumentFragment();
-  T.ranks.forEach(function (r, i) {
-    var tr = document.createElement("div");
-    tr.className = "track" + (culprits[r] ? " is-culprit" : "") + (absent[r] ? " absent" : "");
-    tr.setAttribute("data-rank", r);
-    var lb = document.createElement("span");
-    lb.className = "tl-label";
-    var node = T.nodes[String(r)];
-    lb.textContent = "rank " + r + (node ? " \u00b7 " + node : "") + (absent[r] ? " (no trace)" : "");
-    lb.title = lb.textContent;
-    var lane = document.createElement("div");
-    lane.className = "lane";
-    lane.setAttribute("data-i", i);
-    var cv = document.createElement("canvas");
-    lane.appendChild(cv);
-    var ov = null;
-    if (culprits[r]) {
-      ov = document.createElementNS(NS, "svg");
-      ov.setAttribute("class", "ov");
-      culprits[r].forEach(function (h) {
-        var rect = document.createElementNS(NS, "rect");
-        rect.setAttribute("class", "culprit " + h.kind);
-        rect.setAttribute("data-rank", h.rank);
-        rect.setAttribute("data-seq", h.seq);
-        rect.setAttribute("data-group", h.group);
-        if (h.kind === "missing") rect.setAttribute("fill", "url(#fleet-hatch)");
-        var t = document.createElementNS(NS, "title");
-        t.textContent = "rank " + h.rank + (h.kind === "missing" ? " never entered " : " entered ") +
-          "seq " + h.seq + " of group " + groupName(h.group) + " (" + h.finding + "): " + h.detail;
-        rect.appendChild(t);
-        ov.appendChild(rect);
-      });
-      lane.appendChild(ov);
-    }
-    tr.appendChild(lb);
-    tr.appendChild(lane);
-    frag.appendChild(tr);
-    lanes.push(lane); canvases.push(cv); overlays.push(ov);
+  // the page holds one .track per rank (a canvas lane, the culprits' SVG rects) and the
+  // markers; the script draws the lanes and places the rest on the time axis
+  var lanes = Array.prototype.slice.call(tracksEl.querySelectorAll(".track > .lane"));
+  var canvases = lanes.map(function (l) { return l.querySelector("canvas"); });
+  var overlays = lanes.map(function (l) { return l.querySelector("svg.ov"); });
+  var marks = Array.prototype.map.call(document.querySelectorAll("#tl-markers .marker"), function (g) {
+    return {t: +g.getAttribute("data-t"), el: g, attempt: +g.getAttribute("data-attempt"),
+            incident: g.classList.contains("incident"),
+            flagEl: document.getElementById("flag-" + g.getAttribute("id"))};
   });
-  tracksEl.appendChild(frag);
-
-  // incidents and attempt boundaries: lines across every track, flags on the axis
-  var marks = [];
-  if (J) {
-    J.attempts.forEach(function (a) {
-      if (a.start_ms !== null) marks.push({t: a.start_ms, cls: a.number > 1 ? "attempt restart" : "attempt",
-        flag: "attempt " + a.number, attempt: a.number,
-        text: "attempt " + a.number + " started" + (a.restored_step ? ", restored from step " + a.restored_step : "") +
-              (a.number > 1 ? " (a restart)" : "")});
-      if (a.end_ms !== null) marks.push({t: a.end_ms, cls: "attempt-end", flag: "", attempt: a.number,
-        text: "attempt " + a.number + " ended " + a.state + (a.reason ? ": " + a.reason : "")});
-    });
-    J.incidents.forEach(function (x) {
-      if (x.at_ms !== null) marks.push({t: x.at_ms, cls: "incident", flag: x.kind, attempt: x.attempt,
-        text: "incident (attempt " + x.attempt + "): " + x.kind + (x.rank !== null && x.rank >= 0 ? " rank " + x.rank : "") +
-              (x.node ? " on " + x.node : "") + " by " + x.detector + ": " + x.evidence});
-    });
-  }
-  var mk = document.createElementNS(NS, "svg");
-  mk.setAttribute("id", "tl-markers");
-  marks.forEach(function (m) {
-    var g = document.createElementNS(NS, "g");
-    g.setAttribute("class", "marker " + m.cls);
-    g.setAttribute("data-attempt", m.attempt);
-    ["vis", "hit"].forEach(function (c) {
-      var l = document.createElementNS(NS, "line");
-      l.setAttribute("class", c);
-      g.appendChild(l);
-    });
-    var t = document.createElementNS(NS, "title");
-    t.textContent = m.text;
-    g.appendChild(t);
-    mk.appendChild(g);
-    m.el = g;
-    if (m.flag) {
-      var f = document.createElement("span");
-      f.className = "axis-flag " + (m.cls === "incident" ? "incident" : "attempt");
-      f.textContent = m.flag;
-      f.title = m.text;
-      axisScale.appendChild(f);
-      m.flagEl = f;
-    }
-  });
-  tracksEl.appendChild(mk);
+  var mk = document.getElementById("tl-markers");
 
   // the view: [a, b] in ms from t0
   var hi = Math.max(T.last_ms, 1e-3), firstCell = Infinity;
@@ -200,7 +120,7 @@ SCRIPT = r"""
   // the shown attempt's incidents join the first view unless they would squash the collectives
   var shown = J ? J.attempt_shown : null, reach = hi + 3 * (hi - firstCell);
   marks.forEach(function (m) {
-    if (m.cls === "incident" && (shown === null || m.attempt === shown) && m.t > hi && m.t <= reach) hi = m.t;
+    if (m.incident && (shown === null || m.attempt === shown) && m.t > hi && m.t <= reach) hi = m.t;
   });
   var fit = {a: firstCell - (hi - firstCell) * 0.02 - 1e-3, b: hi + (hi - firstCell) * 0.04 + 1e-3};
   var whole = {a: fit.a, b: fit.b};
@@ -209,6 +129,8 @@ SCRIPT = r"""
   whole.a -= pad; whole.b += pad;
   var view = {a: fit.a, b: fit.b};
 
+  var groupIndex = {};
+  T.groups.forEach(function (g, j) { groupIndex[g[0]] = j; });
   function groupName(g) {
     for (var i = 0; i < T.groups.length; i++) if (T.groups[i][0] === g) return g + (T.groups[i][1] && T.groups[i][1] !== g ? " (" + T.groups[i][1] + ")" : "");
     return g;
@@ -262,15 +184,14 @@ SCRIPT = r"""
     }
     var ov = overlays[i];
     if (ov) {
-      var rects = ov.querySelectorAll("rect.culprit"), gidx = {};
-      T.groups.forEach(function (g, j) { gidx[g[0]] = j; });
-      culprits[T.ranks[i]].forEach(function (hl, j) {
+      ov.querySelectorAll("rect.culprit").forEach(function (rect) {
+        var hl = T.highlights[+rect.getAttribute("data-h")];
         var r0 = Math.max(sx(hl.start_ms, w), -2), r1 = Math.min(sx(hl.end_ms, w), w + 2);
-        var b = rowBox(i, gidx[hl.group], h);
-        rects[j].setAttribute("x", r0);
-        rects[j].setAttribute("y", b[0]);
-        rects[j].setAttribute("width", Math.max(r1 - r0, 4));
-        rects[j].setAttribute("height", Math.max(b[1], 2));
+        var b = rowBox(i, groupIndex[hl.group], h);
+        rect.setAttribute("x", r0);
+        rect.setAttribute("y", b[0]);
+        rect.setAttribute("width", Math.max(r1 - r0, 4));
+        rect.setAttribute("height", Math.max(b[1], 2));
       });
     }
   }
