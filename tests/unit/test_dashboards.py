@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from fleet.controlplane.metrics import TARGETS_FILE
+from tests.prometheus import INSTALL_HINT, panels, substitute
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,39 +24,18 @@ DASHBOARDS = REPO / "dashboards"
 NAMES = ("fleet-job-overview", "fleet-reliability", "fleet-collectives", "fleet-moe", "fleet-sdc")
 ALERTS = ("FleetMoEExpertUnderloaded", "FleetMoEExpertOverloaded", "FleetEttrLow", "FleetIncidentRateHigh",
           "FleetNodeQuarantined", "FleetIngestDrops", "FleetAgentSilent")
-#: What the template variables become when a query is checked outside Grafana.
-VARIABLES = {"$job_id": "some-job", "$__rate_interval": "30s", "$__interval": "5s", "$__range": "1h"}
 
 
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool not found: `bash scripts/test.sh` installs Debian's prometheus package, "
-                    "which ships it", pytrace=False)
+        pytest.fail(f"promtool not found: {INSTALL_HINT}", pytrace=False)
     return path
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(DASHBOARDS / "generate.py"), *args],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
-
-
-def panels(board: dict) -> list[dict]:
-    """Every panel of a dashboard, those inside rows included, rows themselves not."""
-    out = []
-    for panel in board["panels"]:
-        if panel["type"] == "row":
-            out.extend(panel.get("panels", []))
-        else:
-            out.append(panel)
-    return out
-
-
-def substitute(expr: str) -> str:
-    for name, value in VARIABLES.items():
-        expr = expr.replace(name, value)
-    assert "$" not in expr, f"unknown template variable in {expr!r}"
-    return expr
 
 
 def load_board(name: str) -> dict:
@@ -112,7 +92,7 @@ def test_every_query_is_valid_promql(tmp_path: Path) -> None:
         exprs.update(t["expr"] for p in panels(board) for t in p["targets"])
         exprs.update(a["expr"] for a in board["annotations"]["list"])
     rules = {"groups": [{"name": "panels", "rules": [
-        {"record": f"panel:query_{i}", "expr": substitute(e)} for i, e in enumerate(sorted(exprs))]}]}
+        {"record": f"panel:query_{i}", "expr": substitute(e, "some-job")} for i, e in enumerate(sorted(exprs))]}]}
     path = tmp_path / "panels.yml"
     path.write_text(yaml.safe_dump(rules))
     out = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
