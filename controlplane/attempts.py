@@ -16,6 +16,10 @@ with a rollback step V) the next attempts restore no state newer than V, until o
 them has trained past the step the corrupted attempt reached (by then every checkpoint
 newer than V is its own). Every state change is a store row.
 
+A stop request (`fleet stop`) ends the job STOPPED, the running attempt's ranks first
+saving a checkpoint and leaving by themselves (``stopping.Stopper``); a stop while placing
+or backing off ends it at once.
+
 It also takes nodes away for chaos (``kill_node``: node-down) and owns the chaos firer
 and scheduler, whose orders are aimed at its current placement.
 """
@@ -45,6 +49,7 @@ from fleet.controlplane.policy import QuarantineDecision, decide_quarantine
 from fleet.controlplane.recovery import PendingRecovery, finish_recovery, note_processes
 from fleet.controlplane.runtime import Agents, NodeInfo, Pool, Runtime, Workers
 from fleet.controlplane.sdc import copies_problem
+from fleet.controlplane.stopping import Stopper
 from fleet.controlplane.store import NODE_QUARANTINED, IncidentRecord, Store
 from fleet.controlplane.watchdog import Watchdog
 from fleet.proto.kinds import IncidentKind
@@ -116,6 +121,8 @@ class AttemptRunner:
         # after SDC: restore no step newer than this (0 = no ceiling) until an attempt passes the other
         self._restore_at_most, self._ceiling_until = 0, 0
         self.firer = ChaosFirer(job, registry, self, supervisor, store, checkpoint_dir)
+        self._stopper = Stopper(config.job, store, job, registry=registry, agents=agents, watchdog=watchdog,
+                                progress=progress)
         self.scheduler = chaos.Scheduler(self.firer.fire, lambda: self._current_step)
 
     # -- chaos: node-down -------------------------------------------------------------
@@ -167,12 +174,14 @@ class AttemptRunner:
         first = recovery is None  # a resumed job has had its first attempt
         warm_up = cfg.job.ranks_per_node  # no process of this run yet: start them early
         while True:
+            if job.stopping.is_set():
+                return self._stopper.between()
             t_place = time.monotonic()
             self.store.set_job_state(job.job_id, JobState.PLACING, "placing worker group")
             chosen = self._checked_nodes(nodes, warm_up)
             warm_up = 0
-            if chosen is None:
-                return JobState.STOPPED, job.stop_reason
+            if chosen is None or job.stopping.is_set():
+                return self._stopper.between()
             placement = [n for n in chosen for _ in range(cfg.job.ranks_per_node)]
             attempt = self.store.create_attempt(job.job_id)
             actors, reused = pool.acquire(placement)
@@ -219,6 +228,11 @@ class AttemptRunner:
             outcome = self._watch(group, attempt, recovery,
                                   (lambda: pool.fill_spares(chosen)) if not self._builtin else None, spares_due)
             recovery = None
+            if outcome == "stop":
+                try:
+                    return self._stopper.stop(group, attempt)
+                finally:
+                    self.stop_tee()  # after the stop: a program may print as it leaves
             self.stop_tee()
             if outcome is None:  # every rank finished
                 self._agents.flush(timeout_s=15)
@@ -229,12 +243,6 @@ class AttemptRunner:
                     return JobState.SUCCEEDED, f"completed {final} steps"
                 return JobState.SUCCEEDED, "every rank's program exited with code 0" + \
                     (f" (last step reported: {final})" if final else "")
-            if outcome == "stop":
-                group.kill()
-                self._agents.flush(timeout_s=5)
-                self.store.set_attempt_state(job.job_id, attempt, AttemptState.STOPPED, job.stop_reason)
-                return JobState.STOPPED, job.stop_reason
-
             recovery, decision = self._end_attempt(group, attempt, outcome)
             if not decision.restart:
                 return JobState.FAILED, decision.reason
@@ -248,7 +256,7 @@ class AttemptRunner:
                 min(60.0, cfg.job.restart_backoff_s * 2 ** (self._fruitless - 1))
             t = time.monotonic()
             if backoff and job.stopping.wait(backoff):
-                return JobState.STOPPED, job.stop_reason
+                return self._stopper.between()
             recovery.place_s = time.monotonic() - t
 
     def _master_addr(self, placement: list[NodeInfo]) -> str:

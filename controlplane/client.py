@@ -38,9 +38,12 @@ class ControlClient:
         self._stub = control_pb2_grpc.ControlServiceStub(self._channel)
 
     @classmethod
-    def from_state_dir(cls, state_dir: str | Path, address: str | None = None) -> ControlClient:
+    def from_state_dir(cls, state_dir: str | Path, address: str | None = None,
+                       timeout_s: float = 10.0) -> ControlClient:
+        """The controller whose controller.json is in ``state_dir`` (``UnavailableError``
+        when there is none); ``timeout_s``: how long each call may take."""
         info = auth.read_controller_info(Path(state_dir))
-        return cls(address or info.address, info.token, tls=info.tls_files())
+        return cls(address or info.address, info.token, timeout_s=timeout_s, tls=info.tls_files())
 
     def _call(self, method, request, wait_s: float = 0.0):  # noqa: ANN001
         """``wait_s``: how long the call itself may take on the server, on top of the
@@ -83,8 +86,15 @@ class ControlClient:
         return self._call(self._stub.CheckNode, control_pb2.CheckNodeRequest(node=node, timeout_s=timeout_s),
                           wait_s=timeout_s)
 
-    def stop_job(self, job_id: str, reason: str = "") -> str:
-        return self._call(self._stub.StopJob, control_pb2.StopJobRequest(job_id=job_id, reason=reason)).state
+    def stop_job(self, job_id: str, reason: str = "", requested_by: str = "") -> control_pb2.StopJobReply:
+        """Ask the controller to stop ``job_id`` (it checkpoints, then tears down); returns
+        at once with ``state`` "STOPPING", the attempt and job.stop_timeout_s."""
+        return self._call(self._stub.StopJob, control_pb2.StopJobRequest(
+            job_id=job_id, reason=reason, requested_by=requested_by))
+
+    def get_status(self, job_id: str = "") -> control_pb2.StatusReply:
+        """`fleet status` of ``job_id`` ("" = the job the controller runs)."""
+        return self._call(self._stub.GetStatus, control_pb2.GetStatusRequest(job_id=job_id))
 
     def close(self) -> None:
         self._channel.close()

@@ -442,6 +442,12 @@ class JobConfig(create_model("_JobRecipe", __base__=_JobPlacement, **_embedded(T
         description="Longest wait, before an attempt, for enough healthy (not quarantined) nodes; "
         "`fleet release NODE` ends the wait. Then the job fails.",
     )
+    stop_timeout_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="How long `fleet stop` waits for the ranks to leave by themselves: the built-in trainer's "
+        "ranks agree on a step, save a checkpoint of it and return; a job.entrypoint program's ranks get "
+        "SIGTERM. Ranks still running then are killed, and the job's reason says so.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
     entrypoint: Annotated[
         Annotated[Literal["builtin"], Tag("builtin")] | Annotated[EntrypointConfig, Tag(_PROGRAM)],

@@ -1,7 +1,7 @@
 """ControlService: what operators and the CLI ask of a running controller.
 
 Thin: validates the token and the request, calls the controller's ``JobControl``
-methods (``CheckNode``: its ``NodeCheckRunner``, ``node_checks.NodeChecks``), and turns
+methods (``GetStatus``: ``controlplane.status`` over the store and the live job) (``CheckNode``: its ``NodeCheckRunner``, ``node_checks.NodeChecks``), and turns
 ``FleetError``s into gRPC status codes.
 """
 
@@ -36,7 +36,9 @@ class JobControl(Protocol):
         self, job_id: str, rank: int, node: str, fault: events_pb2.FaultSpec
     ) -> control_pb2.InjectFaultReply: ...
 
-    def stop_job(self, job_id: str, reason: str) -> str: ...
+    def stop_job(self, job_id: str, reason: str, by: str = "") -> control_pb2.StopJobReply: ...
+
+    def get_status(self, job_id: str) -> control_pb2.StatusReply: ...
 
 
 class NodeCheckRunner(Protocol):
@@ -95,7 +97,12 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
 
     @_guarded
     def StopJob(self, request: control_pb2.StopJobRequest, context: grpc.ServicerContext) -> control_pb2.StopJobReply:
-        return control_pb2.StopJobReply(state=self._control.stop_job(request.job_id, request.reason))
+        return self._control.stop_job(request.job_id, request.reason, request.requested_by)
+
+    @_guarded
+    def GetStatus(self, request: control_pb2.GetStatusRequest,
+                  context: grpc.ServicerContext) -> control_pb2.StatusReply:
+        return self._control.get_status(request.job_id)
 
     @_guarded
     def CheckNode(self, request: control_pb2.CheckNodeRequest,

@@ -102,7 +102,7 @@ class Controller:
         #: known-answer GEMM tests through the agents: pre-flight, release gate (node_checks.py)
         self._node_checks = NodeChecks(self.store, self._registry)
         self._job = LiveJob()
-        self._control = JobService(store, self._job)
+        self._control = JobService(store, self._job, self._registry, stop_timeout_s=config.job.stop_timeout_s)
         self._incidents: queue.Queue[Incident] = queue.Queue()  # from the watchdog thread
         self.address = ""
         self.metrics_port = 0  # the /metrics endpoint's port once serving; 0 = none

@@ -2,21 +2,27 @@
 ControlService (list, status, inject a fault, stop).
 
 ``LiveJob`` is the state the controller's thread changes and the gRPC threads read
-(current attempt and placement, the stop request), under one lock. ``JobService``
-answers ControlService from it and the store; a fault order is checked, aimed at the
-current placement and handed to the chaos scheduler, which fires it when due; an sdc
-fault on an attempt whose layout has no copy to compare is refused (``ConfigError``).
+(current attempt and placement, the stop request and how far the stop has got), under one
+lock. ``JobService`` answers ControlService from it, the store and the agent registry
+(``get_status``: ``controlplane.status``); a fault order is checked, aimed at the current
+placement and handed to the chaos scheduler, which fires it when due; an sdc fault on an
+attempt whose layout has no copy to compare is refused (``ConfigError``). A stop is a
+request: the attempt runner carries it out (``attempts``: the ranks checkpoint and leave,
+then teardown); the first request's words are kept, a second one changes nothing, and a
+job that has ended refuses it (``StateError``, saying how it ended).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fleet.controlplane import chaos
+from fleet.controlplane import chaos, status
+from fleet.controlplane.agent_server import AgentRegistry
 from fleet.controlplane.chaos_fire import order_of, target
 from fleet.controlplane.errors import ConfigError, NotFoundError, StateError
 from fleet.controlplane.store import JobRecord, Store
@@ -38,6 +44,8 @@ class LiveJob:
     _attempt: int = 0
     _placement: list[str] = field(default_factory=list)
     _no_copies: str = ""
+    _stop_phase: str = ""
+    stop_by: str = ""  # who asked for the stop ("user@host"; "" = not said)
 
     def position(self) -> tuple[int, list[str]]:
         """(current attempt, node name of each rank); (0, []) before the first."""
@@ -60,17 +68,43 @@ class LiveJob:
         with self._lock:
             return self._attempt
 
-    def request_stop(self, reason: str) -> None:
-        self.stop_reason = reason or "stopped by operator"
-        self.stopping.set()
+    @property
+    def stop_phase(self) -> str:
+        """How far a stop has got: "" (none, or not begun), "checkpointing" (the built-in
+        trainer's ranks were told to save and leave), "signalled" (a program's ranks got
+        SIGTERM), "tearing down"."""
+        with self._lock:
+            return self._stop_phase
+
+    def set_stop_phase(self, phase: str) -> None:
+        with self._lock:
+            self._stop_phase = phase
+
+    def request_stop(self, reason: str, by: str = "") -> bool:
+        """Ask the job to stop; ``stop_reason`` becomes "stopped by operator[ <by>][: <reason>]".
+        Returns False (and changes nothing) when a stop was already asked for."""
+        with self._lock:
+            if self.stopping.is_set():
+                return False
+            who = f"stopped by operator {by}" if by else "stopped by operator"
+            self.stop_by = by
+            self.stop_reason = f"{who}: {reason}" if reason else who
+            self.stopping.set()
+            return True
 
 
 class JobService:
     """``control_server.JobControl`` for the job a controller runs (gRPC threads)."""
 
-    def __init__(self, store: Store, job: LiveJob) -> None:
+    def __init__(self, store: Store, job: LiveJob, agents: AgentRegistry | None = None,
+                 stop_timeout_s: float = 60.0) -> None:
+        """``agents``: the registry whose connected agents `fleet status` shows (None:
+        none shown); ``stop_timeout_s``: job.stop_timeout_s, told to whoever stops the job."""
         self._store = store
         self._job = job
+        self._agents = agents
+        self._stop_timeout_s = stop_timeout_s
+        self._ettr = status.EttrCache()
         self._submit: Callable[[chaos.FaultOrder], None] | None = None
 
     def take_faults(self, submit: Callable[[chaos.FaultOrder], None]) -> None:
@@ -120,10 +154,51 @@ class JobService:
         log.info("fault %s accepted (ranks %s on %s)", order.describe(), ranks, node)
         return control_pb2.InjectFaultReply(command_id=command_id, attempt=attempt, ranks=ranks, node=node)
 
-    def stop_job(self, job_id: str, reason: str) -> str:
-        self._require_this_job(job_id)
-        self._job.request_stop(reason)
-        return "STOPPING"
+    def get_status(self, job_id: str) -> control_pb2.StatusReply:
+        """`fleet status` of ``job_id`` ("" = this controller's job); live facts only for
+        the job this controller runs (another is answered from the store)."""
+        job_id = job_id or self._job.job_id
+        live = None
+        if job_id == self._job.job_id:
+            attempt, placement = self._job.position()
+            agents = self._agents
+            now = time.monotonic()
+            live = status.LiveFacts(
+                attempt=attempt, placement=placement,
+                connected=frozenset(agents.connected_nodes()) if agents is not None else frozenset(),
+                silent_s=agents.silent_for(now) if agents is not None else {}, stopping=self._job.stop_phase)
+        return status.to_proto(status.load_status(self._store, job_id, time.time(), live, self._ettr))
+
+    def stop_job(self, job_id: str, reason: str, by: str = "") -> control_pb2.StopJobReply:
+        """Ask the running job to stop (``attempts`` carries it out: checkpoint, then
+        teardown). ``NotFoundError`` for another job, ``StateError`` for one that has ended."""
+        job_id = job_id or self._job.job_id
+        if job_id != self._job.job_id:
+            other = self._find(job_id)
+            if other is not None and other.state.terminal:
+                raise self._ended(other)
+            raise NotFoundError(f"this controller runs job {self._job.job_id}, not {job_id}",
+                                hint="`fleet status` shows the job this controller runs; `fleet jobs` lists "
+                                     "the store's")
+        job = self._store.get_job(job_id)
+        if job.state.terminal:
+            raise self._ended(job)
+        if self._job.request_stop(reason.strip(), by.strip()):
+            log.warning("job %s: %s", job_id, self._job.stop_reason)
+        return control_pb2.StopJobReply(state="STOPPING", attempt=self._job.attempt,
+                                        stop_timeout_s=self._stop_timeout_s)
+
+    def _find(self, job_id: str) -> JobRecord | None:
+        try:
+            return self._store.get_job(job_id)
+        except NotFoundError:
+            return None
+
+    @staticmethod
+    def _ended(job: JobRecord) -> StateError:
+        return StateError(f"job {job.id} has already ended: {job.state.value}"
+                          + (f" ({job.reason})" if job.reason else ""),
+                          hint=f"nothing to stop; `fleet report {job.id}` shows how it went")
 
     def _require_this_job(self, job_id: str) -> None:
         if job_id and job_id != self._job.job_id:

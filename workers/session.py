@@ -14,6 +14,9 @@ phase (``workers/phases.py``) around a long stretch, so that the hang threshold 
 phase's ``detect.phase_timeouts_s``. Without a session (plain ``python`` or torchrun
 without fleet) both do nothing and cost a global lookup.
 
+A ``stop`` command (`fleet stop`) sends the program SIGTERM, as torchrun stops its
+workers: a program that handles it (saves a checkpoint, exits) does, any other ends.
+
 Faults a session carries out: ``crash`` (SIGKILL now, or at a step), ``hang`` (at a
 step: the training thread stops inside ``fleet.step``; at once: the process is stopped
 with SIGSTOP, continued after ``--duration`` if one is given) and ``slow`` at a step.
@@ -160,7 +163,14 @@ class Session:
     # -- faults -------------------------------------------------------------------------
 
     def _on_command(self, cmd: events_pb2.Command) -> None:
-        """A command from the agent (reporter thread): faults this process can carry out."""
+        """A command from the agent (reporter thread): faults this process can carry out,
+        and a stop (`fleet stop`): SIGTERM to this process, as torchrun stops its workers;
+        a program that saves a checkpoint on SIGTERM does so, any other ends."""
+        if cmd.WhichOneof("kind") == "stop" and cmd.stop:
+            print(f"fleet: rank {self.spec.rank}: stop requested (fleet stop): sending SIGTERM to process "
+                  f"{os.getpid()}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         if cmd.WhichOneof("kind") != "fault":
             self.hooks.on_command(cmd)
             return

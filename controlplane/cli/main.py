@@ -14,6 +14,7 @@ import traceback
 import typer
 
 from fleet.controlplane.cli import config_cmd, db, faults, jobs, logs, model, nodes, replay, report, run, up
+from fleet.controlplane.cli import status
 from fleet.controlplane.cli.render import print_error
 from fleet.controlplane.errors import FleetError
 
@@ -29,6 +30,8 @@ app.command("up")(up.up)
 app.command("run", context_settings=run.CONTEXT_SETTINGS)(run.run)
 app.command("logs")(logs.logs)
 app.command("jobs")(jobs.jobs)
+app.command("status")(status.status)
+app.command("stop")(jobs.stop)
 app.command("nodes")(nodes.nodes)
 app.command("quarantine")(nodes.quarantine)
 app.command("release")(nodes.release)

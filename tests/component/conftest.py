@@ -41,9 +41,9 @@ class StoreJobControl:
         self.faults.append((job_id, rank, node, FaultKind.from_wire(fault.kind).value))
         return control_pb2.InjectFaultReply(command_id="c1", attempt=1, ranks=[rank], node=node or "node-0")
 
-    def stop_job(self, job_id: str, reason: str) -> str:
+    def stop_job(self, job_id: str, reason: str, by: str = "") -> control_pb2.StopJobReply:
         self.store.get_job(job_id)
-        return "STOPPING"
+        return control_pb2.StopJobReply(state="STOPPING")
 
 
 @dataclass

@@ -25,7 +25,7 @@ def test_calls_with_the_token_reach_the_controller(controller, job_id) -> None: 
         assert client.job_status(job_id).job.state == "PLACING"
         reply = client.inject_fault(job_id, "crash", rank=2, at_step=5)
         assert list(reply.ranks) == [2]
-        assert client.stop_job(job_id, "test") == "STOPPING"
+        assert client.stop_job(job_id, "test").state == "STOPPING"
     assert controller.control.faults == [(job_id, 2, "", "crash")]
 
 

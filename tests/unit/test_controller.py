@@ -297,7 +297,8 @@ def test_max_restarts_exhausted_fails_the_job(tmp_path: Path, store: Store) -> N
 
 def test_operators_see_the_running_job_inject_a_fault_and_stop_it(tmp_path: Path, store: Store) -> None:
     script = Script([Outcome(2, hold=True)])
-    ctl = Controller(cluster_config(tmp_path), store, runtime=in_memory_runtime(script))
+    # the scripted ranks never read the stop command: they are killed after job.stop_timeout_s
+    ctl = Controller(cluster_config(tmp_path, stop_timeout_s=0.5), store, runtime=in_memory_runtime(script))
     seen: dict[str, object] = {}
 
     def operator() -> None:
@@ -313,6 +314,7 @@ def test_operators_see_the_running_job_inject_a_fault_and_stop_it(tmp_path: Path
         except NotFoundError as exc:
             seen["other"] = str(exc)
         seen["stop"] = ctl.control.stop_job(ctl.job_id, "enough")
+        seen["again"] = ctl.control.stop_job(ctl.job_id, "twice")  # the first request's words stay
 
     thread = threading.Thread(target=operator, name="test-operator")
     thread.start()
@@ -320,7 +322,9 @@ def test_operators_see_the_running_job_inject_a_fault_and_stop_it(tmp_path: Path
         result = ctl.run()
     finally:
         thread.join(30)
-    assert result.state is JobState.STOPPED and result.reason == "enough"
+    assert result.state is JobState.STOPPED
+    assert result.reason == ("stopped by operator: enough; rank(s) [0, 1] did not stop within 0.5 s "
+                             "(job.stop_timeout_s) and were killed after step 2; no valid checkpoint"), result.reason
     status = seen["status"]
     assert (status.job.job_id, status.current_attempt, list(status.nodes)) == (result.job_id, 1, ["node-0", "node-1"])
     assert [(r.rank, r.node, r.pid) for r in status.ranks] == [(0, "node-0", 10_000), (1, "node-1", 10_001)]
@@ -328,7 +332,11 @@ def test_operators_see_the_running_job_inject_a_fault_and_stop_it(tmp_path: Path
     fault = seen["fault"]
     assert (fault.attempt, list(fault.ranks), fault.node) == (1, [1], "node-1")
     assert seen["other"] == f"this controller runs job {result.job_id}, not j-other"
-    assert seen["stop"] == "STOPPING"
+    assert (seen["stop"].state, seen["stop"].attempt, seen["stop"].stop_timeout_s) == ("STOPPING", 1, 0.5)
+    assert seen["again"].state == "STOPPING"
+    assert [a.cause for a in store.actions(result.job_id) if a.kind == "stop"] == ["stopped by operator: enough"]
+    with pytest.raises(StateError, match=f"job {result.job_id} has already ended: STOPPED"):
+        ctl.control.stop_job(result.job_id, "late")
     [attempt] = store.get_attempts(result.job_id)
     assert attempt.state is AttemptState.STOPPED
     assert [a.cause for a in store.actions(result.job_id) if a.kind == "inject_fault"] == ["crash on rank 1 at step 50"]

@@ -93,18 +93,120 @@ class InjectFaultReply(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., node: _Optional[str] = ...) -> None: ...
 
 class StopJobRequest(_message.Message):
-    __slots__ = ("job_id", "reason")
+    __slots__ = ("job_id", "reason", "requested_by")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_BY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    requested_by: str
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ..., requested_by: _Optional[str] = ...) -> None: ...
 
 class StopJobReply(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "attempt", "stop_timeout_s")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    STOP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     state: str
-    def __init__(self, state: _Optional[str] = ...) -> None: ...
+    attempt: int
+    stop_timeout_s: float
+    def __init__(self, state: _Optional[str] = ..., attempt: _Optional[int] = ..., stop_timeout_s: _Optional[float] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class IncidentView(_message.Message):
+    __slots__ = ("kind", "rank", "node", "evidence", "detected_at", "observed")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_AT_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    rank: int
+    node: str
+    evidence: str
+    detected_at: float
+    observed: bool
+    def __init__(self, kind: _Optional[str] = ..., rank: _Optional[int] = ..., node: _Optional[str] = ..., evidence: _Optional[str] = ..., detected_at: _Optional[float] = ..., observed: _Optional[bool] = ...) -> None: ...
+
+class JobView(_message.Message):
+    __slots__ = ("job_id", "name", "state", "reason", "attempt", "attempt_state", "step", "total_steps", "loss", "tokens_per_s", "ettr", "restarts", "last_incident", "checkpoint_step", "created_at", "ended_at", "stopping", "world_size")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ETTR_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_INCIDENT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    name: str
+    state: str
+    reason: str
+    attempt: int
+    attempt_state: str
+    step: int
+    total_steps: int
+    loss: float
+    tokens_per_s: float
+    ettr: float
+    restarts: int
+    last_incident: IncidentView
+    checkpoint_step: int
+    created_at: float
+    ended_at: float
+    stopping: str
+    world_size: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., attempt_state: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., ettr: _Optional[float] = ..., restarts: _Optional[int] = ..., last_incident: _Optional[_Union[IncidentView, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., created_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., stopping: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class NodeView(_message.Message):
+    __slots__ = ("name", "state", "health", "quarantine_reason", "ranks", "events_lost", "last_seen", "agent_connected", "silent_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_LOST_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    AGENT_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    SILENT_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: str
+    health: str
+    quarantine_reason: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    events_lost: int
+    last_seen: float
+    agent_connected: bool
+    silent_s: float
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., health: _Optional[str] = ..., quarantine_reason: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., events_lost: _Optional[int] = ..., last_seen: _Optional[float] = ..., agent_connected: _Optional[bool] = ..., silent_s: _Optional[float] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("job", "nodes", "at", "live")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    job: JobView
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeView]
+    at: float
+    live: bool
+    def __init__(self, job: _Optional[_Union[JobView, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeView, _Mapping]]] = ..., at: _Optional[float] = ..., live: _Optional[bool] = ...) -> None: ...
 
 class CheckNodeRequest(_message.Message):
     __slots__ = ("node", "timeout_s")

@@ -60,6 +60,11 @@ class ControlServiceStub:
                 request_serializer=fleet_dot_proto_dot_control__pb2.CheckNodeRequest.SerializeToString,
                 response_deserializer=fleet_dot_proto_dot_control__pb2.NodeCheckReply.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/fleet.v1.ControlService/GetStatus',
+                request_serializer=fleet_dot_proto_dot_control__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=fleet_dot_proto_dot_control__pb2.StatusReply.FromString,
+                _registered_method=True)
 
 
 class ControlServiceServicer:
@@ -95,6 +100,12 @@ class ControlServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +133,11 @@ def add_ControlServiceServicer_to_server(servicer, server):
                     servicer.CheckNode,
                     request_deserializer=fleet_dot_proto_dot_control__pb2.CheckNodeRequest.FromString,
                     response_serializer=fleet_dot_proto_dot_control__pb2.NodeCheckReply.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=fleet_dot_proto_dot_control__pb2.GetStatusRequest.FromString,
+                    response_serializer=fleet_dot_proto_dot_control__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +275,33 @@ class ControlService:
             '/fleet.v1.ControlService/CheckNode',
             fleet_dot_proto_dot_control__pb2.CheckNodeRequest.SerializeToString,
             fleet_dot_proto_dot_control__pb2.NodeCheckReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.ControlService/GetStatus',
+            fleet_dot_proto_dot_control__pb2.GetStatusRequest.SerializeToString,
+            fleet_dot_proto_dot_control__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,
