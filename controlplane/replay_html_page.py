@@ -304,6 +304,7 @@ SCRIPT = r"""
     (T.t0_ns ? t0.toISOString().replace("T", " ").replace("Z", " UTC") : "-") +
     ". Ctrl+wheel or the wheel over the axis zooms, drag pans, double-click fits.";
   document.body.setAttribute("data-ready", "1");
+  window.fleetReadyMs = performance.now();  // since the navigation started: the open time
   window.fleetReady = true;
 })();
 """
