@@ -1,7 +1,7 @@
 """Sustained ingest of collective events: agents -> gRPC -> controller -> SQL store.
 
     python bench/ingest.py [--agents 4] [--events 1200000] [--runs 3] [--block 500]
-                           [--latency-s 10] [--postgres-url URL | --no-postgres]
+                           [--latency-s 10] [--postgres-url URL | --no-postgres] [--metrics]
 
 Every part is the real one, each in its own process, all on 127.0.0.1:
 
@@ -30,6 +30,11 @@ The agents' write-ahead log, in the same runs: each SQLite run is repeated with 
 agents writing every submission to their log first, as a real node agent does
 (``agent.wal``: one append per submit, one file per batch). ``agent_wal_ratio`` = that
 rate / the rate without (median of per-run ratios).
+
+``--metrics``: every controller runs with the batch-fed Prometheus metrics on, as ``fleet
+up`` does (``collective_metrics``: every batch is queued for the metrics refresher, which
+folds its rows into histograms, arrival-lag matches and gauges); compare a run with and
+without it for what the metrics cost ingest.
 
 Latency: agents pace their submits to half the measured SQLite maximum for
 ``--latency-s`` seconds; a block's latency is from its submit to the agent to the ack of
@@ -90,18 +95,29 @@ def _block(agent: int, first: int, n: int, now_ns: int):
 
 # -- child processes ------------------------------------------------------------------------
 
-def serve_controller(url: str) -> int:
-    """Run a controller on ``url`` until stdin closes; print its address, then its counts."""
+def serve_controller(url: str, metrics: bool = False) -> int:
+    """Run a controller on ``url`` until stdin closes; print its address, then its counts.
+    ``metrics``: with the controller's batch-fed metrics, as ``fleet up`` runs it (the
+    ``CollectiveMetrics`` observer and the refresher thread folding every batch in)."""
     from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
+    from fleet.controlplane.collective_metrics import CollectiveMetrics
     from fleet.controlplane.control_server import ControlServicer
     from fleet.controlplane.grpc_server import ControllerServer
+    from fleet.controlplane.job_metrics import MetricsRefresher
+    from fleet.controlplane.metrics import ControllerMetrics
     from fleet.controlplane.store import Store
 
     class NoJobs:  # ControlService is not exercised here
         pass
 
     with Store(url) as store:
-        servicer = AgentServicer(store, AgentRegistry(), TOKEN, controller_id="ctl-bench")
+        observed = None
+        if metrics:
+            observed = ControllerMetrics()
+            feed = CollectiveMetrics(observed.registry, JOB)
+            observed.on_close(MetricsRefresher(observed, None, feed, 1.0).start().close)
+        servicer = AgentServicer(store, AgentRegistry(), TOKEN, controller_id="ctl-bench", metrics=observed,
+                                 observer=feed.observe if metrics else None)
         server = ControllerServer(servicer, ControlServicer(NoJobs(), TOKEN)).start()
         print(json.dumps({"address": server.address}), flush=True)
         sys.stdin.read()
@@ -169,6 +185,10 @@ def serve_agent(address: str, index: int, events: int, block: int, rate: float, 
 
 # -- the driver -----------------------------------------------------------------------------
 
+#: Flags every controller child gets (``--metrics``).
+_CONTROLLER_FLAGS: list[str] = []
+
+
 def _child(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, cwd=REPO)
@@ -185,7 +205,7 @@ def run_ingest(url: str, agents: int, events: int, block: int, rate_per_agent: f
                spill_dir: str = "") -> dict:
     """One run: a fresh controller on ``url`` and ``agents`` agents (writing a write-ahead
     log under ``spill_dir``, if given); returns rate, latencies."""
-    ctl = _child("--serve-controller", url)
+    ctl = _child("--serve-controller", url, *_CONTROLLER_FLAGS)
     procs: list[subprocess.Popen] = []
     try:
         address = _line(ctl)["address"]
@@ -270,6 +290,8 @@ def main() -> int:
     parser.add_argument("--latency-s", type=float, default=10.0, help="length of the paced latency run")
     parser.add_argument("--postgres-url", help="an existing server's database URL (default: start one)")
     parser.add_argument("--no-postgres", action="store_true", help="SQLite only")
+    parser.add_argument("--metrics", action="store_true",
+                        help="controllers with the batch-fed Prometheus metrics on, as fleet up runs them")
     parser.add_argument("--serve-controller", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--serve-agent", metavar="ADDRESS", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -277,7 +299,9 @@ def main() -> int:
     parser.add_argument("--spill-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_controller:
-        return serve_controller(args.serve_controller)
+        return serve_controller(args.serve_controller, args.metrics)
+    if args.metrics:
+        _CONTROLLER_FLAGS.append("--metrics")
     if args.serve_agent:
         return serve_agent(args.serve_agent, args.index, args.events, args.block, args.rate, args.spill_dir)
 

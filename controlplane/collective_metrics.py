@@ -20,8 +20,9 @@ new attempt resets them: ``start_attempt``). Histograms take every row of the jo
 - ``fleet_collective_arrival_lag_seconds{job_id,rank}``: per rank, the mean over its last
   ``LAG_WINDOW`` completed matches of how late it entered a collective behind the first
   member to enter it. A match is one (group, seq) once every member (``group_size``) has
-  entered it (``ArrivalMatcher``); point-to-point groups are left out (their sequence
-  numbers count per pair). Enter times come from each rank's host clock: skew between
+  entered it (``ArrivalMatcher``), sampled: every ``ARRIVAL_SAMPLE``-th seq of each group
+  (seq divisible by it); point-to-point groups are left out (their sequence numbers count
+  per pair). Enter times come from each rank's host clock: skew between
   hosts shows as lag. Jobs that send collective fronts instead of raw collectives (more
   ranks than ``agent.raw_ingest_max_ranks``) get no arrival lag: a front is a rank's
   newest position, so the members' enters of one collective are rarely all seen.
@@ -57,6 +58,9 @@ LAG_WINDOW = 32
 #: (group, seq) matches still missing members kept at most (the oldest go first: a rank
 #: that died never completes them).
 MAX_OPEN_MATCHES = 8192
+#: Arrival lag is matched on every this-many-th sequence number of each group (a sample:
+#: matching is the one per-row Python step of the fold; the lag is a mean anyway).
+ARRIVAL_SAMPLE = 8
 #: Newest steps whose MoE expert loads are summed while their ranks' reports come in.
 MOE_STEPS = 4
 STEP_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -168,8 +172,10 @@ class CollectiveMetrics:
     """The batch-fed metrics of one job. ``observe`` from any thread; ``drain`` and
     ``start_attempt`` from one (the refresher's)."""
 
-    def __init__(self, registry: CollectorRegistry, job_id: str) -> None:
+    def __init__(self, registry: CollectorRegistry, job_id: str, *, arrival_sample: int = ARRIVAL_SAMPLE) -> None:
+        """``arrival_sample``: match every this-many-th collective of each group for arrival lag."""
         self.job_id = job_id
+        self._sample = arrival_sample
         r = registry
         self.step_s = BulkHistogram("fleet_step_duration_seconds", "Step time of every rank's steps (step_time_s).",
                                     ["job_id"], STEP_BUCKETS_S, r)
@@ -295,26 +301,62 @@ class CollectiveMetrics:
                 have += tokens
 
     def _collectives(self, batch: PreparedBatch) -> None:
-        job, attempt, add = self.job_id, self._attempt, self._matcher.add
-        durations: dict[tuple[str, bool], list[float]] = {}
-        for c in batch.collective_rows():
-            if c.job_id != job:
-                continue
-            if c.exit_ns is not None and c.state == "completed":
-                key = (c.op, bool(c.exit_estimated))
-                seconds = max(c.exit_ns - c.enter_ns, 0) / 1e9
-                got = durations.get(key)
-                if got is None:
-                    durations[key] = [seconds]
-                else:
-                    got.append(seconds)
-            if c.attempt > attempt:
-                self._new_attempt(c.attempt)
-                attempt, add = self._attempt, self._matcher.add
-            if c.attempt == attempt:
-                add(c.group, c.seq, c.group_size, c.rank, c.enter_ns)
-        for (op, estimated), values in durations.items():
-            self.collective_s.observe_many((job, op, "poll_upper_bound" if estimated else "measured"), values)
+        # column-wise: a batch holds thousands of collectives and this runs for all of them
+        cols = batch.collective_columns()
+        job_ids, n = cols["job_id"], len(batch.collectives)
+        keep = None if job_ids.count(self.job_id) == n else np.asarray(job_ids, dtype=object) == self.job_id
+        if keep is not None and not keep.any():
+            return
+        attempts = cols["attempt"]
+        if attempts.count(attempts[0]) == n:   # one attempt, as nearly every batch
+            attempt: Any = attempts[0]
+            newest = attempt
+        else:
+            attempt = np.asarray(attempts, dtype=np.int64)
+            newest = int(attempt.max() if keep is None else attempt[keep].max())
+        if newest > self._attempt:
+            self._new_attempt(newest)
+        enter = np.asarray(cols["enter_ns"], dtype=np.int64)
+        self._durations(cols, enter, keep)
+        # arrival lag from every ARRIVAL_SAMPLE-th collective of each group
+        seq = np.asarray(cols["seq"], dtype=np.int64)
+        sampled = (seq % self._sample == 0) & (attempt == self._attempt)
+        if keep is not None:
+            sampled &= keep
+        picked = np.flatnonzero(sampled)
+        if not len(picked):
+            return
+        add, groups, ranks, sizes = self._matcher.add, cols["group"], cols["rank"], cols["group_size"]
+        for i, s, t in zip(picked.tolist(), seq[picked].tolist(), enter[picked].tolist()):
+            add(groups[i], s, sizes[i], ranks[i], t)
+
+    def _durations(self, cols: dict[str, tuple], enter: np.ndarray, keep: np.ndarray | None) -> None:
+        """Observe enter -> exit of the completed collectives, by op and timing. The tests
+        on whole tuples (``count``, ``in``) run in C and spare the masks in the common case:
+        one job, every row completed, measured, few ops."""
+        states, exits, n = cols["state"], cols["exit_ns"], len(enter)
+        if states.count("completed") == n and None not in exits:
+            done = keep
+            exit_ns = np.asarray(exits, dtype=np.int64)
+        else:
+            done = np.fromiter((st == "completed" and x is not None for st, x in zip(states, exits)), bool, n)
+            if keep is not None:
+                done &= keep
+            exit_ns = np.fromiter((x or 0 for x in exits), np.int64, n)
+        if done is not None and not done.any():
+            return
+        seconds = np.maximum(exit_ns - enter, 0) / 1e9
+        ops, flags = cols["op"], cols["exit_estimated"]
+        names = sorted(set(ops))
+        codes = (np.zeros(n, dtype=np.int64) if len(names) == 1 else
+                 np.fromiter(map({name: i for i, name in enumerate(names)}.__getitem__, ops), np.int64, n))
+        estimated = np.asarray(flags, dtype=bool) if True in flags else None
+        for i, op in enumerate(names):
+            of_op = codes == i if done is None else (codes == i) & done
+            for timing, picked in (("measured", of_op if estimated is None else of_op & ~estimated),
+                                   ("poll_upper_bound", None if estimated is None else of_op & estimated)):
+                if picked is not None and picked.any():
+                    self.collective_s.observe_many((self.job_id, op, timing), seconds[picked])
 
     def _sdc(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:

@@ -299,9 +299,10 @@ class JobMetrics:
 
 class MetricsRefresher:
     """The one thread that folds queued batches in and refreshes the store-derived metrics
-    (a context manager; ``close`` stops it)."""
+    (a context manager; ``close`` stops it). Either may be None (a benchmark's controller
+    has batches but no job row)."""
 
-    def __init__(self, metrics: ControllerMetrics, jobs: JobMetrics, feed: CollectiveMetrics | None,
+    def __init__(self, metrics: ControllerMetrics, jobs: JobMetrics | None, feed: CollectiveMetrics | None,
                  interval_s: float) -> None:
         if interval_s <= 0:
             raise ValueError(f"metrics refresh interval must be > 0 s, got {interval_s}")
@@ -332,9 +333,10 @@ class MetricsRefresher:
         try:
             if self._feed is not None:
                 self._feed.drain()
-            self._jobs.refresh()
-            if self._feed is not None:
-                self._feed.start_attempt(self._jobs.current_attempt)
+            if self._jobs is not None:
+                self._jobs.refresh()
+                if self._feed is not None:
+                    self._feed.start_attempt(self._jobs.current_attempt)
         finally:
             self._metrics.add_cost(time.perf_counter() - started)
             self.ticks += 1

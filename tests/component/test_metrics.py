@@ -96,10 +96,13 @@ def _build_job(store: Store) -> Job:
     first_step_2 = c + 0.30
     batches.append(prepare([_step(job_id, 2, r, s, c + 0.30 + 0.02 * (s - 6)) for s in range(6, 9)
                             for r in range(RANKS)]))
-    colls = [_coll(job_id, 0, 1, c + 0.26, state="started")]  # completed in the next rows: one match
-    for seq in (1, 2, 3):
-        colls += [_coll(job_id, r, seq, c + 0.25 + 0.01 * seq + LATE_S[r], estimated=seq == 3) for r in range(RANKS)]
-    colls.append(_coll(job_id, 0, 1, c + 0.25, group="0:p2p"))  # p2p: durations yes, arrival lag no
+    # arrival lag samples every 8th seq of a group: 8, 16 and 24 are matched, 25 is not
+    colls = [_coll(job_id, 0, 8, c + 0.25 + 0.001 * 8, state="started")]  # completed in the next rows: one match
+    for seq in (8, 16, 24, 25):
+        late = LATE_S if seq != 25 else {r: 0.05 * r for r in range(RANKS)}
+        colls += [_coll(job_id, r, seq, c + 0.25 + 0.001 * seq + late[r], estimated=seq == 24)
+                  for r in range(RANKS)]
+    colls.append(_coll(job_id, 0, 8, c + 0.25, group="0:p2p"))  # p2p: durations yes, arrival lag no
     batches.append(prepare(colls))
     batches.append(prepare([_sdc(job_id, r, True) for r in range(RANKS)] + [_sdc(job_id, 3, False)]))
     store.record_incident(job_id, 2, "sdc", "sdc", "fingerprint mismatch", rank=3, node="node-2",
@@ -171,8 +174,8 @@ def test_every_contract_metric_is_served_with_its_labels_and_values(store: Store
         for b in job.batches:
             served.feed.observe("node-0", b)
         served.refresher.start()
-        wait_for(lambda: samples(scrape(served.port)).get("fleet_recovery_seconds_count"), "the recovery")
-        wait_for(lambda: "fleet_moe_expert_token_share_ratio" in samples(scrape(served.port)), "the feed")
+        # a refresh sets the gauges one after the other: scrape once one has finished
+        wait_for(lambda: served.refresher.ticks >= 1, "a refresh")
         text = scrape(served.port)
     finally:
         served.metrics.close()
@@ -230,7 +233,7 @@ def test_every_contract_metric_is_served_with_its_labels_and_values(store: Store
     # collectives
     lags = {dict(k)["rank"]: v for k, v in got["fleet_collective_arrival_lag_seconds"].items()}
     assert lags == {str(r): pytest.approx(s, abs=1e-6) for r, s in LATE_S.items()}
-    assert value("fleet_collective_duration_seconds_count", op="all_reduce", timing="measured") == 8 + 1
+    assert value("fleet_collective_duration_seconds_count", op="all_reduce", timing="measured") == 12 + 1
     assert value("fleet_collective_duration_seconds_count", op="all_reduce", timing="poll_upper_bound") == 4
     assert value("fleet_collective_duration_seconds_sum", op="all_reduce", timing="poll_upper_bound") == \
         pytest.approx(4 * 0.002)
@@ -264,7 +267,7 @@ def test_ettr_is_absent_while_the_report_has_none_and_a_new_attempt_resets_the_g
     store.set_attempt_state(job_id, 1, AttemptState.RUNNING)
     served = _serve(store, job_id)
     try:
-        served.feed.observe("node-0", prepare([_coll(job_id, r, 1, 1.0 + LATE_S[r], attempt=1) for r in range(RANKS)]))
+        served.feed.observe("node-0", prepare([_coll(job_id, r, 8, 1.0 + LATE_S[r], attempt=1) for r in range(RANKS)]))
         served.refresher.start()
         wait_for(lambda: served.refresher.ticks >= 2, "two refreshes")
         first = samples(scrape(served.port))
