@@ -943,7 +943,7 @@ def validate_cluster_data(data: dict[str, Any], source: str, *, overrides: Seque
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         more = f" (and {len(exc.errors()) - 1} more problem(s))" if len(exc.errors()) > 1 else ""
-        culprit, alone = blamed(overrides, loc, msg)
+        culprit, alone = blamed(overrides, loc, msg, unknown_key=err["type"] == "extra_forbidden")
         if culprit is not None and alone:
             where = culprit.source
         else:

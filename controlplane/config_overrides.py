@@ -116,12 +116,14 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[Override]) -> d
     return out
 
 
-def blamed(overrides: Sequence[Override], loc: Sequence[Any], message: str) -> tuple[Override | None, bool]:
+def blamed(overrides: Sequence[Override], loc: Sequence[Any], message: str,
+           unknown_key: bool = False) -> tuple[Override | None, bool]:
     """The override a validation error at ``loc`` (pydantic's path) with ``message`` is
     about, and whether it alone is to blame: (the last override that set ``loc`` or a
     section holding it, True), else (the last whose key the message names, True), else
     (the last set inside the section at ``loc``, False: that section's own rule failed,
-    on the file's values and the override's together), else (None, False)."""
+    on the file's values and the override's together; True when ``unknown_key``: the
+    override's path made the key), else (None, False)."""
     path = tuple(str(p) for p in loc)
     for o in reversed(overrides):
         if path[:len(o.key)] == o.key:
@@ -131,7 +133,7 @@ def blamed(overrides: Sequence[Override], loc: Sequence[Any], message: str) -> t
             return o, True
     for o in reversed(overrides):
         if o.key[:len(path)] == path:
-            return o, False
+            return o, unknown_key
     return None, False
 
 

@@ -23,6 +23,10 @@ import pytest
 from tests.pg import PostgresServer, PostgresUnavailable
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# the CLI's stand-ins for --store, --state-dir and --cluster: a developer's own must not
+# point the suite's commands (and the processes they start) at their store or controller
+for _name in ("FLEET_STORE", "FLEET_STATE_DIR", "FLEET_CLUSTER"):
+    os.environ.pop(_name, None)
 
 LEAK_WAIT_S = 15.0
 

@@ -56,13 +56,12 @@ def _hint(exc: FleetError, args: list[str]) -> str:
     hint = exc.hint or ""
     if "fleet <command>" not in hint:
         return hint
-    commands = typer.main.get_command(app).commands
-    words = [a for a in args if not a.startswith("-")][:2]
+    words = [a for a in args if not a.startswith("-")]
     command = words[:1]
-    group = commands.get(words[0]) if words else None
-    if group is not None and hasattr(group, "commands") and words[1:] and words[1] in group.commands:
-        command = words[:2]
-    return hint.replace("fleet <command>", " ".join(["fleet", *command]) if command else "fleet")
+    subcommands = getattr(typer.main.get_command(app).commands.get(words[0]), "commands", None) if words else None
+    if subcommands:  # a group (`fleet db upgrade`): its command is the first of its words after it
+        command += next(([w] for w in words[1:] if w in subcommands), [])
+    return hint.replace("fleet <command>", " ".join(["fleet", *command]))
 
 
 def main(argv: list[str] | None = None) -> int:

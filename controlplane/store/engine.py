@@ -33,6 +33,10 @@ def redact(url: str) -> str:
     return re.sub(r"(://[^/:@]*:)[^/@]*@", r"\1***@", url)
 
 
+#: What to do about a bad store URL (CLI errors show it after the message).
+URL_HINT = "--store, FLEET_STORE or the cluster file's store.url name the store (in that order)"
+
+
 def parse_url(url: str) -> URL:
     """Parse and validate a store URL; raise ``ConfigError`` naming it (password hidden)."""
     shown = redact(url)
@@ -41,12 +45,12 @@ def parse_url(url: str) -> URL:
     except (ArgumentError, ValueError) as e:
         raise ConfigError(
             f"store URL {shown!r} is not a database URL "
-            "(expected e.g. sqlite:///.fleet/fleet.db or postgresql://user@host/db)"
+            "(expected e.g. sqlite:///.fleet/fleet.db or postgresql://user@host/db)", hint=URL_HINT
         ) from e
     if parsed.get_backend_name() not in SUPPORTED_BACKENDS:
         raise ConfigError(
             f"store URL {shown!r}: unsupported database {parsed.get_backend_name()!r} "
-            f"(supported: {', '.join(SUPPORTED_BACKENDS)})"
+            f"(supported: {', '.join(SUPPORTED_BACKENDS)})", hint=URL_HINT
         )
     return parsed
 

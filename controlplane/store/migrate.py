@@ -41,6 +41,9 @@ BASELINE = "0001"  # the schema that metadata.create_all made before migrations 
 # pg_advisory_xact_lock key (any constant shared by every fleet): "fleetdb" in ASCII.
 _PG_LOCK_KEY = 0x666C656574_6462
 _BUSY_RETRY_S = 0.02
+#: What to do about a store that cannot be opened (CLI errors show it after the message).
+_OPEN_HINT = ("is the database server up, and the URL right? "
+              "--store, FLEET_STORE or the cluster file's store.url name it")
 
 # What ``SchemaState.state`` can be.
 EMPTY = "empty"  # no fleet tables: upgrade creates them
@@ -107,12 +110,12 @@ def _connect(engine: Engine) -> Iterator[Connection]:
                 time.sleep(_BUSY_RETRY_S)
                 continue
             raise UnavailableError(
-                f"store {_shown(engine)!r}: cannot open: {_reason(e)}") from e
+                f"store {_shown(engine)!r}: cannot open: {_reason(e)}", hint=_OPEN_HINT) from e
     try:
         with conn:
             yield conn
     except OperationalError as e:
-        raise UnavailableError(f"store {_shown(engine)!r}: {_reason(e)}") from e
+        raise UnavailableError(f"store {_shown(engine)!r}: {_reason(e)}", hint=_OPEN_HINT) from e
 
 
 def _stored_revision(conn: Connection) -> str | None:

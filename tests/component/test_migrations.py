@@ -253,9 +253,9 @@ def test_fleet_db_with_a_bad_url(verb: str, url: str, code: int,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["db", verb, "--url", url]) == code != 0
     out, err = capsys.readouterr()
-    lines = (out + err).strip().splitlines()
-    assert len(lines) == 1, lines
-    assert url.split("@")[-1] in lines[0] and "s3cret" not in lines[0]
+    lines = (out + err).strip().splitlines()  # the error, and its hint
+    assert len(lines) == 2 and lines[1].startswith("hint: ") and "FLEET_STORE" in lines[1], lines
+    assert url.split("@")[-1] in lines[0] and "s3cret" not in out + err
     assert "Traceback" not in out + err
 
 

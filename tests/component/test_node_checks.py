@@ -172,6 +172,23 @@ def test_release_without_a_controller_and_without_an_agent(site: Site, capsys: p
     assert _node(site.store, "node-9").state is NodeState.HEALTHY
 
 
+def test_release_json_carries_the_gemm_verdict_and_finds_the_controller_by_variable(
+        site: Site, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # no --state-dir and no --store: FLEET_STATE_DIR and FLEET_STORE name the running site
+    monkeypatch.setenv("FLEET_STATE_DIR", str(site.state_dir))
+    monkeypatch.setenv("FLEET_STORE", site.url)
+    with site.agent("node-1"):
+        site.store.upsert_node("node-1", "ray-1", "127.0.0.1", "{}")
+        site.store.quarantine_node("node-1", "suspected", actor=NodeActor.OPERATOR)
+        code, out, err = _cli(capsys, "release", "node-1", "--json")
+        assert code == 0, err
+        got = json.loads(out)  # stdout is the JSON document alone: the test's line is in it
+        assert (got["node"], got["released"], got["gemm_check"]["verdict"]) == ("node-1", True, "ok")
+        assert "float32 64x64 GEMM on cpu" in got["gemm_check"]["reason"]
+        assert _node(site.store, "node-1").state is NodeState.HEALTHY
+        assert "GEMM test passed" in site.store.node_history("node-1")[-1].reason
+
+
 def test_check_node_rpc_and_its_bad_input(site: Site) -> None:
     with site.agent("node-0"), ControlClient(site.server.address, TOKEN) as client:
         reply = client.check_node("node-0", timeout_s=30)
