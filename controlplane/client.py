@@ -59,6 +59,15 @@ class ControlClient:
                 detail = f"controller at {self.address} is not reachable ({detail})"
             raise err(detail) from None
 
+    def reachable(self, timeout_s: float) -> bool:
+        """Whether the controller's address accepts a connection (TLS handshake included)
+        within ``timeout_s`` seconds."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            return False
+        return True
+
     def list_jobs(self) -> list[control_pb2.JobSummary]:
         return list(self._call(self._stub.ListJobs, control_pb2.ListJobsRequest()).jobs)
 

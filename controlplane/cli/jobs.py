@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StateDirOpt, StoreOpt, open_store, state_dir_of
-from fleet.controlplane.cli.render import console, err_console, fmt_time, print_json, print_table
+from fleet.controlplane.cli.render import console, err_console, fmt_time, print_json, print_table, progress
 from fleet.controlplane.errors import ConfigError, FleetError, NotFoundError, StateError, UnavailableError
 
 if TYPE_CHECKING:
@@ -88,8 +88,9 @@ def stop(
     with StatusSource(state_dir_of(state_dir, cluster), store, cluster) as source:
         client = source.client()
         if client is None:
-            raise _no_controller(source, job, f"no controller is running ({source.state_dir / 'controller.json'} "
-                                              "does not exist)")
+            path = source.state_dir / "controller.json"
+            raise _no_controller(source, job, f"the controller {path} names does not accept connections"
+                                 if path.exists() else f"no controller is running ({path} does not exist)")
         try:
             reply = client.stop_job(job, reason.strip(), requested_by=_who())
         except UnavailableError as exc:
@@ -137,9 +138,16 @@ def _wait_stopped(source: StatusSource, job: str, deadline: float, limit_s: floa
     """Poll until the job has ended and its controller has gone (spinner on stderr);
     returns (its last status, whether the controller went within the time)."""
     last: Status | None = None
-    with err_console.status(f"stopping {job}: asked the controller") as spinner:
+    with progress(f"stopping {job}: asked the controller") as say:
         while True:
-            last = source.get(job)
+            try:
+                last = source.get(job)
+            except NotFoundError as exc:
+                if last is None or "no store at" not in str(exc):
+                    raise
+                raise UnavailableError(f"the controller of job {job} went away before it said how the job "
+                                       f"ended, and {exc}", hint="name the job's store (--store URL, FLEET_STORE "
+                                       "or --cluster FILE): `fleet status JOB` then shows how it ended") from None
             if last.job.state in _ENDED:
                 break
             if time.monotonic() >= deadline:
@@ -148,10 +156,10 @@ def _wait_stopped(source: StatusSource, job: str, deadline: float, limit_s: floa
                     + (f", {last.job.stopping}" if last.job.stopping else ""),
                     hint=f"it goes on stopping: `fleet status {job} --watch` follows it; the controller kills "
                          "ranks still running after job.stop_timeout_s")
-            spinner.update(f"stopping {job}: {last.job.stopping or 'asked the controller'} "
-                           f"(attempt {last.job.attempt}, step {last.job.step})")
+            say(f"stopping {job}: {last.job.stopping or 'asked the controller'} "
+                f"(attempt {last.job.attempt}, step {last.job.step})")
             time.sleep(STOP_POLL_S)
-        spinner.update(f"stopping {job}: tearing down")
+        say(f"stopping {job}: tearing down")
         path = source.state_dir / "controller.json"
         while _controller_of(path, job) and time.monotonic() < deadline:
             time.sleep(STOP_POLL_S)

@@ -1,13 +1,14 @@
 """`fleet status [JOB] [--watch]`: one job and its nodes, from the running controller, or
-from the store when no controller runs (or it does not answer within ``ASK_TIMEOUT_S``).
+from the store when no controller runs (or none accepts a connection within
+``CONNECT_TIMEOUT_S``, or one does not answer within ``ANSWER_TIMEOUT_S``).
 
 The job: state, attempt, step/total, loss, tokens/s, ETTR so far, restarts, the newest
 valid checkpoint, the last incident and a stop in progress; per node: state, health,
 quarantine reason, the current attempt's ranks on it, events lost on the way to the
 store, and (live) its agent: connected, seconds since last heard from. Without JOB: the
 running controller's job, else the newest job in the store. ``--watch`` redraws it every
-``--interval`` seconds until the job ends or Ctrl-C (exit 0); with ``--json`` it prints
-one JSON object per line per refresh. ``StatusSource`` is what `fleet stop` polls too.
+``--interval`` seconds until the job ends or Ctrl-C (exit 0); on a pipe each view is
+printed after the last; with ``--json`` it prints one JSON object per line per refresh. ``StatusSource`` is what `fleet stop` polls too.
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ if TYPE_CHECKING:
     from fleet.controlplane.status import EttrCache, Status
     from fleet.controlplane.store import Store
 
-#: How long a controller gets to answer before the store answers instead, seconds.
-ASK_TIMEOUT_S = 2.0
+#: How long a controller's address gets to accept a connection before the store answers
+#: instead, seconds ...
+CONNECT_TIMEOUT_S = 2.0
+#: ... and how long a controller that accepted it gets to answer (one under load is still
+#: the one to ask: the store lacks its live facts).
+ANSWER_TIMEOUT_S = 10.0
 #: The longest --interval, seconds.
 MAX_INTERVAL_S = 3600.0
 #: Evidence longer than this is cut in the text view (--json has all of it).
@@ -71,11 +76,15 @@ class StatusSource:
             return None
         if self._client is None:
             try:
-                self._client = ControlClient.from_state_dir(self.state_dir, timeout_s=ASK_TIMEOUT_S)
+                client = ControlClient.from_state_dir(self.state_dir, timeout_s=ANSWER_TIMEOUT_S)
             except FleetError:
                 self._given_up = text
                 return None
-            self.address = self._client.address
+            if not client.reachable(CONNECT_TIMEOUT_S):
+                client.close()
+                self._given_up = text
+                return None
+            self._client, self.address = client, client.address
         return self._client
 
     def gave_up(self) -> None:
@@ -165,6 +174,14 @@ def _watch(source: StatusSource, job: str, interval: float, json_out: bool) -> N
         while True:
             sys.stdout.write(json.dumps(_as_json(s, source), default=str) + "\n")
             sys.stdout.flush()
+            if _ended(s):
+                return
+            time.sleep(interval)
+            s = source.get(job)
+    if not console.is_terminal:  # a pipe or a log: one view after another
+        while True:
+            console.print(render(s, source_text(s, source)))
+            console.file.flush()
             if _ended(s):
                 return
             time.sleep(interval)
