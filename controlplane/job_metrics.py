@@ -1,4 +1,4 @@
-"""The controller's job metrics read from the store, and the one thread that refreshes them.
+"""The controller's job metrics read from the store, and the threads that refresh them.
 
 ``MetricsRefresher`` (thread ``fleet-metrics-refresh``) wakes every
 ``controller.metrics_refresh_interval_s``: it folds the batches ``CollectiveMetrics``
@@ -24,10 +24,13 @@ nodes, the newest incidents only):
   ``INCIDENT_SERIES``), set once its action is known (``incident_action``).
 
 ``fleet report``'s ETTR and lost time (``report.load_report``) read every step row of the
-job, so they cost more as the job grows: ``fleet_ettr_ratio``, ``fleet_productive_seconds``
-and ``fleet_lost_seconds{category}`` refresh every interval, but no sooner than
-``REPORT_COST`` times the last report's duration after it (a report that took 0.2 s is
-read again after 4 s at the earliest): at most 1/``REPORT_COST`` of the thread's time.
+job, so they cost more as the job grows (``bench/metrics.py``: ~50 us per step row with
+MoE expert loads, ~1 s for 64 ranks x 300 steps): ``fleet_ettr_ratio``,
+``fleet_productive_seconds`` and ``fleet_lost_seconds{category}`` are read on a thread of
+their own (``fleet-metrics-report``, so a long report never holds the other metrics back),
+every interval, but no sooner than ``REPORT_COST`` times the last report's duration after
+it (a report that took 1 s is read again 50 s later): at most 1/``REPORT_COST`` of a core.
+Once the job has ended its report is read one last time.
 Lost-time categories are named after Google's goodput ``BadputType`` where one fits
 (``LOST_CATEGORIES``).
 """
@@ -65,7 +68,7 @@ LOST_CATEGORIES = {
 #: Incident timestamp series kept (the newest); older ones are removed.
 INCIDENT_SERIES = 200
 #: The report is read again no sooner than this many times its last duration after it.
-REPORT_COST = 20
+REPORT_COST = 50
 #: An incident that does not end its attempt has its action once this old (seconds) if it
 #: has none by then (a quarantine follows its recording at once)...
 SIDE_SETTLE_S = 5.0
@@ -163,6 +166,11 @@ class JobMetrics:
         self._series: collections.deque[tuple[str, ...]] = collections.deque()
         self._report_due = 0.0                         # monotonic
         self._report_final = False                     # the report of the ended job was read
+        self._report_lock = threading.Condition()
+        self._report_asked: tuple[float, bool] | None = None  # (now, final) for the report thread
+        self._report_thread: threading.Thread | None = None
+        self._closed = False
+        self.reports = 0                               # reports read (or failed)
         self._ettr_shown = False
         self.report_s = 0.0                            # the last report's duration
 
@@ -196,7 +204,58 @@ class JobMetrics:
         self._recoveries(attempts)
         # an ended job's report no longer changes: read once more, then never again
         if not self._report_final and (job.state.terminal or time.monotonic() >= self._report_due):
-            self._report(now, final=job.state.terminal)
+            self._ask_report(now, final=job.state.terminal)
+
+    def _ask_report(self, now: float, *, final: bool) -> None:
+        """Have the report thread read the report (started on first use); never waits."""
+        with self._report_lock:
+            if self._report_asked is not None or self._closed:
+                return  # one in flight: the next refresh asks again if still due
+            self._report_asked = (now, final)
+            if self._report_thread is None:
+                self._report_thread = threading.Thread(target=self._report_loop, name="fleet-metrics-report",
+                                                       daemon=True)
+                self._report_thread.start()
+            self._report_lock.notify_all()
+
+    def _report_loop(self) -> None:
+        while True:
+            with self._report_lock:
+                while self._report_asked is None and not self._closed:
+                    self._report_lock.wait()
+                if self._closed:
+                    return
+                now, final = self._report_asked
+            try:
+                self._report(now, final=final)
+            except Exception:  # noqa: BLE001 - a store outage must not end the report thread
+                log.warning("metrics: reading the job's report failed", exc_info=True)
+                self._report_due = time.monotonic() + REPORT_COST * max(self.report_s, 1.0)
+            with self._report_lock:
+                self._report_asked = None
+                self.reports += 1
+                self._report_lock.notify_all()
+
+    def wait_report(self, reports: int, timeout_s: float) -> bool:
+        """Wait until ``reports`` reports were read (tests, benchmarks); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._report_lock:
+            while self.reports < reports:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._report_lock.wait(left)
+            return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the report thread: at once when idle; a report in flight is waited for up
+        to ``timeout_s`` (a daemon thread: it never holds the process up)."""
+        with self._report_lock:
+            self._closed = True
+            self._report_lock.notify_all()
+            thread = self._report_thread
+        if thread is not None:
+            thread.join(timeout_s)
 
     def _nodes(self) -> dict[str, float]:
         """Node gauges; returns node -> when this job quarantined it (its last transition)."""
@@ -320,6 +379,8 @@ class MetricsRefresher:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._jobs is not None:
+            self._jobs.close()
 
     def __enter__(self) -> MetricsRefresher:
         return self.start()

@@ -141,6 +141,7 @@ def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> No
 class Served:
     metrics: ControllerMetrics
     feed: CollectiveMetrics
+    jobs: JobMetrics
     refresher: MetricsRefresher
     port: int
 
@@ -156,10 +157,11 @@ def _serve(store: Store, job_id: str, agents: AgentRegistry | None = None) -> Se
     feed = CollectiveMetrics(metrics.registry, job_id)
     if agents is not None:
         metrics.watch_agents(agents.silent_for)
-    refresher = MetricsRefresher(metrics, JobMetrics(metrics.registry, store, job_id), feed, 0.05)
+    jobs = JobMetrics(metrics.registry, store, job_id)
+    refresher = MetricsRefresher(metrics, jobs, feed, 0.05)
     metrics.on_close(refresher.close)
     port = metrics.serve("127.0.0.1", 0)
-    return Served(metrics, feed, refresher, port)
+    return Served(metrics, feed, jobs, refresher, port)
 
 
 # -- the contract ----------------------------------------------------------------------------------
@@ -174,8 +176,10 @@ def test_every_contract_metric_is_served_with_its_labels_and_values(store: Store
         for b in job.batches:
             served.feed.observe("node-0", b)
         served.refresher.start()
-        # a refresh sets the gauges one after the other: scrape once one has finished
+        # a refresh sets the gauges one after the other: scrape once one has finished, and
+        # the report (ETTR, lost time) its own thread reads
         wait_for(lambda: served.refresher.ticks >= 1, "a refresh")
+        assert served.jobs.wait_report(1, timeout_s=30)
         text = scrape(served.port)
     finally:
         served.metrics.close()
@@ -270,6 +274,7 @@ def test_ettr_is_absent_while_the_report_has_none_and_a_new_attempt_resets_the_g
         served.feed.observe("node-0", prepare([_coll(job_id, r, 8, 1.0 + LATE_S[r], attempt=1) for r in range(RANKS)]))
         served.refresher.start()
         wait_for(lambda: served.refresher.ticks >= 2, "two refreshes")
+        assert served.jobs.wait_report(1, timeout_s=30)
         first = samples(scrape(served.port))
         store.set_attempt_state(job_id, 1, AttemptState.FAILED, "crash")
         store.create_attempt(job_id)
@@ -326,7 +331,8 @@ def test_a_scrape_passes_promtool_and_the_naming_rules(store: Store, tmp_path: P
     try:
         for b in job.batches:
             served.feed.observe("node-0", b)
-        served.refresher.tick()   # on this thread: a scrape after it sees every metric
+        served.refresher.tick()   # on this thread: a scrape after it and its report sees every metric
+        assert served.jobs.wait_report(1, timeout_s=30)
         text = scrape(served.port)
     finally:
         served.metrics.close()
