@@ -1,0 +1,83 @@
+"""`fleet status` and `fleet stop` against a real `fleet up` (a local Ray cluster of two
+raylets, real agents, gloo workers, SQLite): the live view, then a graceful stop whose
+checkpoint is stored valid and on disk, and `fleet up`'s STOPPED exit code (8)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fleet.controlplane.errors import JobStoppedError
+from fleet.controlplane.lifecycle import AttemptState, JobState
+from tests.integration.test_fleet_up import FLEET, FleetUp, controller_job, store_of, write_cluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+
+def _fleet(tmp: Path, *argv: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*FLEET, *argv], cwd=tmp, capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_status_shows_the_running_job_and_stop_checkpoints_it(tmp_path: Path) -> None:
+    # no checkpoint falls due in this test: the only one is the stop's
+    run = FleetUp(tmp_path, write_cluster(tmp_path, steps=100_000, checkpoint_interval=10_000))
+    run.wait_until(lambda: controller_job(tmp_path), 120, "the controller to start")
+    job_id = controller_job(tmp_path)
+
+    def training() -> bool:
+        with store_of(tmp_path) as store:
+            return store.last_step(job_id) >= 3
+
+    run.wait_until(training, 240, "training to start")
+    out = _fleet(tmp_path, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    job = status["job"]
+    assert (status["source"], job["job_id"], job["state"], job["attempt"]) == ("controller", job_id, "RUNNING", 1)
+    assert job["step"] > 0 and job["total_steps"] == 100_000 and job["world_size"] == 4
+    assert job["loss"] is not None and job["tokens_per_s"] > 0 and job["stopping"] == ""
+    nodes = {n["name"]: n for n in status["nodes"]}
+    assert {name: (n["ranks"], n["agent_connected"]) for name, n in nodes.items()} == {
+        "node-0": ([0, 1], True), "node-1": ([2, 3], True)}
+
+    t0 = time.monotonic()
+    out = _fleet(tmp_path, "stop", job_id, "--reason", "integration test", "--json")
+    stop_s = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr
+    stopped = json.loads(out.stdout)
+    step = stopped["final_step"]
+    assert stopped["state"] == "STOPPED" and step > job["step"] - 1
+    assert (stopped["checkpoint_step"], stopped["checkpoint_at_stop"], stopped["controller_exited"]) == (
+        step, True, True)
+    assert stopped["reason"].startswith("stopped by operator ")
+    assert stopped["reason"].endswith(f": integration test; checkpoint at step {step}"), stopped["reason"]
+
+    up_out, up_err = run.wait(60)
+    assert run.proc.returncode == JobStoppedError.exit_code == 8, up_err[-3000:]
+    summary = json.loads(up_out)
+    assert (summary["state"], summary["final_step"], summary["reason"]) == ("STOPPED", step, stopped["reason"])
+    run.assert_tree_gone()
+    with store_of(tmp_path) as store:
+        record = store.get_job(job_id)
+        assert (record.state, record.reason) == (JobState.STOPPED, stopped["reason"])
+        [attempt] = store.get_attempts(job_id)
+        assert (attempt.state, attempt.final_step) == (AttemptState.STOPPED, step)
+        # the stop's checkpoint: stored valid, on disk with its manifest
+        [ckpt] = store.checkpoints(job_id)
+        assert (ckpt.step, ckpt.valid) == (step, True)
+        assert (Path(ckpt.path) / "MANIFEST.json").is_file()
+        assert [a.cause for a in store.actions(job_id) if a.kind == "stop"] == [
+            stopped["reason"].rsplit("; checkpoint", 1)[0]]
+    # with the controller gone, the store answers
+    out = _fleet(tmp_path, "status", job_id, "--json")
+    assert out.returncode == 0, out.stderr
+    after = json.loads(out.stdout)
+    assert (after["source"], after["job"]["state"], after["job"]["checkpoint_step"]) == ("store", "STOPPED", step)
+    log = (tmp_path / ".fleet" / "logs" / "controller.log").read_text()
+    ranks_s = next(ln for ln in log.splitlines() if "attempt 1 stopped in" in ln).split("stopped in ")[1][:8]
+    print(f"fleet stop: {stop_s:.1f} s from the request to the controller gone, the ranks' part {ranks_s} "
+          f"(stopped at step {step})")
