@@ -15,6 +15,7 @@ Pure: imports YAML and the error hierarchy, reads no environment (the CLI does).
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,8 +123,9 @@ def blamed(overrides: Sequence[Override], loc: Sequence[Any], message: str,
     about, and whether it alone is to blame: (the last override that set ``loc`` or a
     section holding it, True), else (the last whose key the message names, True), else
     (the last set inside the section at ``loc``, False: that section's own rule failed,
-    on the file's values and the override's together; True when ``unknown_key``: the
-    override's path made the key), else (None, False)."""
+    on the file's values and the override's together; True when ``unknown_key``, the
+    override's path made the key, or when the message names the key within the
+    section), else (None, False)."""
     path = tuple(str(p) for p in loc)
     for o in reversed(overrides):
         if path[:len(o.key)] == o.key:
@@ -133,7 +135,9 @@ def blamed(overrides: Sequence[Override], loc: Sequence[Any], message: str,
             return o, True
     for o in reversed(overrides):
         if o.key[:len(path)] == path:
-            return o, unknown_key
+            # the section's rule names the key the override set (``job: steps is ...``)
+            rest = re.escape(".".join(o.key[len(path):]))
+            return o, unknown_key or re.search(rf"(?<![\w.]){rest}(?![\w.])", message) is not None
     return None, False
 
 

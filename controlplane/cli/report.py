@@ -15,6 +15,7 @@ from fleet.controlplane.cli.render import (
     print_json,
     print_table,
     print_traceback,
+    progress,
     step_text,
 )
 
@@ -29,7 +30,7 @@ def report(
     restarts and quarantines."""
     from fleet.controlplane.report import load_report
 
-    with open_store(store, cluster) as st:
+    with open_store(store, cluster) as st, progress(f"reading job {job_id} ..."):  # a long job's rows take a while
         out = load_report(st, job_id, time.time())
     if json_out:
         print_json(out)

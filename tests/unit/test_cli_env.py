@@ -191,3 +191,41 @@ def test_fleet_up_with_a_bad_set_exits_2_naming_the_key_before_anything_starts(t
     assert proc.stdout == "" and "Traceback" not in proc.stderr
     # nothing started: no state folder, no log, no store, no Ray session (its imports alone take longer)
     assert list(tmp_path.iterdir()) == [] and took < 30, took
+
+
+# -- fleet run --set ---------------------------------------------------------------
+
+def test_fleet_run_set_is_fleets_before_the_script_and_the_programs_after() -> None:
+    import typer
+
+    from fleet.controlplane.cli.main import app
+    from fleet.controlplane.cli.run import program_start
+
+    command = typer.main.get_command(app).commands["run"]
+    assert program_start(["--set", "job.max_restarts=1", "t.py", "--set", "x=1"], command) == 2
+    assert program_start(["--set=detect.hang.action=observe", "--nodes", "2", "t.py"], command) == 3
+
+
+def test_fleet_run_applies_set_last_and_validates_it(tmp_path: Path) -> None:
+    from fleet.controlplane.cli.run import run_config
+    from fleet.controlplane.config_overrides import parse_overrides
+
+    config = run_config("t.py", ["--lr", "0.1"], nodes=2, workdir=tmp_path, overrides=parse_overrides(
+        ["detect.hang.action=observe", "job.max_restarts=0", "job.entrypoint.tee=false"]))
+    assert config.detect.hang.action.value == "observe" and config.job.max_restarts == 0
+    assert config.job.user_program.tee is False and config.job.user_program.args == ["--lr", "0.1"]
+    with pytest.raises(ConfigError) as info:
+        run_config("t.py", [], workdir=tmp_path, overrides=parse_overrides(["job.max_restarts=-1"]))
+    assert str(info.value).startswith("--set job.max_restarts=-1: job.max_restarts: Input should be greater")
+
+
+def test_fleet_run_with_a_bad_set_exits_2_before_anything_starts(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("raise SystemExit('must not run')\n")
+    code, out, err = _run(capsys, "run", "--set", "job.steps=5", "train.py", "--set", "mine")
+    assert code == ConfigError.exit_code and out == ""
+    error, hint = err.strip().splitlines()
+    # a built-in trainer setting: a program's steps are its own
+    assert error.startswith("error: --set job.steps=5: job: steps is a setting of the built-in trainer"), error
+    assert hint.startswith("hint: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]
