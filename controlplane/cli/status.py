@@ -232,7 +232,7 @@ def render(s: Status, where: str) -> Group:
         head.append(f"  attempt {j.attempt} {j.attempt_state}")
     if j.stopping and not _ended(s):
         head.append(f"  stopping: {j.stopping}", style="yellow")
-    head.append(f"  ({where})", style="dim")
+    head.append(f"  {where}", style="dim")
     steps = f"step {j.step}/{j.total_steps}" if j.total_steps else f"step {j.step}"
     figures = [steps,
                f"loss {j.loss:.4f}" if j.loss is not None else "loss -",
