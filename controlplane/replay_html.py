@@ -215,7 +215,8 @@ def _tracks(tl: Mapping[str, Any]) -> str:
             fill = " fill=\"url(#fleet-hatch)\"" if hl["kind"] == "missing" else ""
             rects.append(f"<rect class=\"culprit {e(hl['kind'])}\" data-h=\"{k}\" data-rank=\"{r}\" "
                          f"data-seq=\"{e(hl['seq'])}\" data-group=\"{e(hl['group'])}\"{fill}><title>rank {r} {did} "
-                         f"seq {e(hl['seq'])} of group {e(group)} ({e(hl['finding'])}): {e(hl['detail'])}</title></rect>")
+                         f"seq {e(hl['seq'])} of group {e(group)} ({e(hl['finding'])}): {e(hl['detail'])}"
+                         "</title></rect>")
         overlay = f"<svg class=\"ov\">{''.join(rects)}</svg>" if rects else ""
         out.append(f"<div class=\"{cls}\" data-rank=\"{r}\"><span class=\"tl-label\" title=\"{e(label)}\">{e(label)}"
                    f"</span><div class=\"lane\" data-i=\"{i}\"><canvas></canvas>{overlay}</div></div>")

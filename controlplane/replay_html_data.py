@@ -4,8 +4,8 @@
 incidents, the attempts' losses) into one JSON-ready dict here.
 
 ``timeline`` gives one track per rank and, per track, its newest collectives as flat
-number lists (``CELL`` fields each: start and duration in ms from ``t0_ns``, group,
-seq, signature, flags), so a 512-rank job stays a few MB and draws in a browser within
+number lists (``CELL`` fields each: start and duration in whole µs from ``t0_ns``,
+group, seq, signature, flags), so a 512-rank job stays a few MB and draws in a browser within
 a second. It also places the verdict's culprits (``highlights``): the collective a
 culprit entered wrongly (a mismatch, a stuck kernel), or the gap where its peers wait in
 a collective it never entered. ``job_section`` puts the job's attempts and incidents on
@@ -29,10 +29,11 @@ from fleet.proto.fronts import FrontRow
 MAX_CELLS = 120_000
 MIN_PER_RANK = 24
 #: Fields of one cell in a track's flat list.
-CELL = ("start_ms", "dur_ms", "group", "seq", "sig", "flags")
+CELL = ("start_us", "dur_us", "group", "seq", "sig", "flags")
 #: ``flags`` bits: the op completed; the rank still waits in it; the cell is a front
-#: (where the rank stands in a group), not a recorded collective.
-DONE, WAITING, FRONT = 1, 2, 4
+#: (where the rank stands in a group), not a recorded collective; its end was measured
+#: (else it is the group's next op: done by then, maybe long before).
+DONE, WAITING, FRONT, MEASURED = 1, 2, 4, 8
 #: Most culprit highlights drawn.
 MAX_HIGHLIGHTS = 64
 
@@ -58,9 +59,11 @@ def group_labels(traces: TraceSet | None, diagnosis: Mapping[str, Any]) -> dict[
 
 
 def _trace_cells(traces: TraceSet, rank: int, keep: int, groups: Collection[str] | None,
-                 seq_range: tuple[int, int] | None) -> list[_Cell]:
+                 seq_range: tuple[int, int] | None, described: dict[int, str]) -> list[_Cell]:
     """A rank's newest ``keep`` collectives of each group, ``end_ns`` as the Perfetto
-    export takes it: the measured exit, else the next op of the group (done by then)."""
+    export takes it: the measured exit, else the next op of the group (done by then).
+    ``described``: signature id -> its text, filled as met (a 512-rank trace has 10^5
+    collectives and a few hundred signatures)."""
     t = traces.ranks[rank]
     sigs = traces.table.sigs
     out: list[_Cell] = []
@@ -73,13 +76,18 @@ def _trace_cells(traces: TraceSet, rank: int, keep: int, groups: Collection[str]
             if seq_range and not seq_range[0] <= seq <= seq_range[1]:
                 continue
             enter, done = ops.enter_ns[i], bool(ops.done[i])
+            flags = DONE if done else WAITING
             if ops.exit_ns[i]:
-                end = ops.exit_ns[i]
+                end, flags = ops.exit_ns[i], flags | MEASURED
             elif done:
                 end = ops.enter_ns[i + 1] if i + 1 < n else enter
             else:
                 end = -1
-            out.append((enter, end, gname, seq, sigs[ops.sigs[i]].describe(), DONE if done else WAITING))
+            sid = ops.sigs[i]
+            text = described.get(sid)
+            if text is None:
+                text = described[sid] = sigs[sid].describe()
+            out.append((enter, end, gname, seq, text, flags))
     return out
 
 
@@ -93,7 +101,7 @@ def _front_cells(fronts: Iterable[FrontRow], covered: set[tuple[int, str]]) -> d
         if f.open:
             end, flags = -1, WAITING | FRONT
         else:
-            end, flags = max(f.completed_ns, f.entered_ns), DONE | FRONT
+            end, flags = max(f.completed_ns, f.entered_ns), DONE | FRONT | (MEASURED if f.completed_ns else 0)
         out.setdefault(f.rank, []).append((f.entered_ns, end, f.group, f.entered_seq, f"{f.op or '?'} (front)",
                                            flags))
     return out
@@ -115,15 +123,20 @@ def timeline(traces: TraceSet | None, diagnosis: Mapping[str, Any], *, fronts: S
     shown = sorted(r for r in everyone if wanted is None or r in wanted)
     keep = max(MIN_PER_RANK, max_cells // max(len(shown), 1))
     cells: dict[int, list[_Cell]] = {}
+    described: dict[int, str] = {}
     for r in shown:
         if r in traced:
-            cells[r] = _trace_cells(traces, r, keep, groups, seq_range)  # type: ignore[union-attr]
+            cells[r] = _trace_cells(traces, r, keep, groups, seq_range, described)  # type: ignore[arg-type]
     covered = {(r, c[2]) for r, cs in cells.items() for c in cs}
     shown_set = set(shown)
     for r, cs in _front_cells((f for f in fronts if f.rank in shown_set and (groups is None or f.group in groups)),
                               covered).items():
         cells.setdefault(r, []).extend(cs)
-    index = {(r, c[2], c[3]): c for r, cs in cells.items() for c in cs}  # what highlights look up
+    # what highlights look up: the cells of the groups where the culprits stand or are blamed
+    culprits = set(diagnosis.get("culprit_ranks", [])) & shown_set
+    relevant = {f.get("group", "").removesuffix(":p2p") for f in diagnosis.get("findings", [])
+                if culprits & set(f.get("ranks", []))} | {c[2] for r in culprits for c in cells.get(r, ())}
+    index = {(r, c[2], c[3]): c for r, cs in cells.items() for c in cs if c[2] in relevant}
     # a rank that recorded more than ``keep`` in one group lost some in ``_trace_cells`` already
     cut = traces is not None and any(len(o.seqs) > keep for r in cells if r in traced
                                      for o in traces.ranks[r].groups.values())
@@ -149,7 +162,7 @@ def timeline(traces: TraceSet | None, diagnosis: Mapping[str, Any], *, fronts: S
         flat: list[float] = []
         for enter, end, g, seq, sig, flags in cells.get(r, ()):
             stop = t_end if end < 0 else end
-            flat += [_ms(enter - t0), _ms(max(stop - enter, 0)), gids.setdefault(g, len(gids)), seq,
+            flat += [(enter - t0) // 1000, max(stop - enter, 0) // 1000, gids[g], seq,
                      sids.setdefault(sig, len(sids)), flags]
         tracks[str(r)] = flat
     found = sum(len(cs) for cs in cells.values())

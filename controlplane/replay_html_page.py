@@ -79,7 +79,8 @@ span.sw { display: inline-block; width: 22px; height: 11px; vertical-align: -1px
 .sw.missing { background: repeating-linear-gradient(45deg, var(--bad) 0 2px, transparent 2px 5px);
               border: 1px solid var(--bad) !important; }
 .sw.entered { background: rgba(198,40,40,.25); border: 2px solid var(--bad) !important; }
-.sw.incident { background: var(--bad); width: 3px !important; } .sw.attempt { background: var(--attempt); width: 3px !important; }
+.sw.incident { background: var(--bad); width: 3px !important; }
+.sw.attempt { background: var(--attempt); width: 3px !important; }
 svg.chart text { font-size: 11px; fill: var(--muted); }
 svg.chart .grid { stroke: #eceff1; }
 svg.chart polyline.loss { fill: none; stroke-width: 1.6; }
@@ -91,7 +92,7 @@ SCRIPT = r"""
   "use strict";
   var D = JSON.parse(document.getElementById("fleet-data").textContent);
   var T = D.timeline, J = D.job, COLORS = D.colors;
-  var DONE = 1, WAITING = 2, FRONT = 4, W = T.cell.length;
+  var WAITING = 2, FRONT = 4, MEASURED = 8, W = T.cell.length;
   var tracksEl = document.getElementById("tl-tracks");
   var axisScale = document.querySelector("#tl-axis .scale");
   var axisCv = document.getElementById("tl-axis-canvas");
@@ -100,6 +101,10 @@ SCRIPT = r"""
   var trackH = +tracksEl.getAttribute("data-track-h");
   var dpr = window.devicePixelRatio || 1;
   var sigColor = T.sigs.map(function (s) { return COLORS[s.split(" ")[0]] || "#888"; });
+  T.ranks.forEach(function (r) {  // start and duration come in whole µs: ms from here on
+    var a = T.tracks[String(r)];
+    for (var k = 0; k < a.length; k += W) { a[k] /= 1000; a[k + 1] /= 1000; }
+  });
 
   // the page holds one .track per rank (a canvas lane, the culprits' SVG rects) and the
   // markers; the script draws the lanes and places the rest on the time axis
@@ -129,11 +134,11 @@ SCRIPT = r"""
   whole.a -= pad; whole.b += pad;
   var view = {a: fit.a, b: fit.b};
 
-  var groupIndex = {};
+  var groupIndex = Object.create(null);
   T.groups.forEach(function (g, j) { groupIndex[g[0]] = j; });
   function groupName(g) {
-    for (var i = 0; i < T.groups.length; i++) if (T.groups[i][0] === g) return g + (T.groups[i][1] && T.groups[i][1] !== g ? " (" + T.groups[i][1] + ")" : "");
-    return g;
+    var desc = T.groups[groupIndex[g]] ? T.groups[groupIndex[g]][1] : "";
+    return g + (desc && desc !== g ? " (" + desc + ")" : "");
   }
   function laneWidth() { return lanes.length ? lanes[0].clientWidth : axisScale.clientWidth; }
   function sx(t, w) { return (t - view.a) / (view.b - view.a) * w; }
@@ -278,7 +283,8 @@ SCRIPT = r"""
       var f = a[hit + 5];
       text = "rank " + r + ": " + T.sigs[a[hit + 4]] + " \u00b7 group " + groupName(T.groups[a[hit + 2]][0]) +
         " \u00b7 seq " + a[hit + 3] + " \u00b7 entered at " + fmt(a[hit], 0.001) + " \u00b7 " +
-        (f & WAITING ? "still waiting (" + fmt(a[hit + 1], 0.001) + " so far)" : "took " + fmt(a[hit + 1], 0.001)) +
+        (f & WAITING ? "still waiting (" + fmt(a[hit + 1], 0.001) + " so far)" :
+          (f & MEASURED ? "took " : "done within ") + fmt(a[hit + 1], 0.001)) +
         (f & FRONT ? " \u00b7 a front: where the rank stood, not every collective" : "");
     }
     lane.title = text;

@@ -9,8 +9,9 @@ from the checkpoint of step 10. Attempt 2 runs steps 11..20, its ranks declare t
 enters world collective ``WORLD_SEQS``, in which the three others wait; then the hang
 incident. Losses fall from 4.0.
 
-Timestamps are the store's own for attempts (their creation) and the clock's for the
-records, so everything lands in order on one time axis: the builder waits for the clock
+Timestamps are the store's own for attempts (their creation and end) and the builder's
+for the records and incidents (an incident is detected ``TICK_S``s after the records it
+follows), so everything lands in order on one time axis: the builder waits for the clock
 to pass the newest record before it writes what comes after it (a few tens of ms).
 """
 
@@ -91,7 +92,7 @@ def build(store: Store) -> HtmlJob:
     store.record_batch("agent-a", 1, 1, events)
     _past(end + 4 * TICK_S)
     store.record_incident(job, 1, "crash", "exit", "rank 1 exited with code 1", rank=1, node="node-0",
-                          exit_code=1)
+                          exit_code=1, detected_at=end + 4 * TICK_S)
     store.set_attempt_state(job, 1, AttemptState.FAILED, "crash: rank 1 on node-0")
     store.record_action(job, 1, "restart", "crash of rank 1")
 
@@ -118,7 +119,7 @@ def build(store: Store) -> HtmlJob:
     _past(newest + 10 * TICK_S)
     store.record_incident(job, 2, "hang", "hang", f"no rank finished a step; flight recorder: rank {CULPRIT} never "
                           f"entered all_reduce {WORLD_SEQS} of group 0, in which 3 members wait", rank=CULPRIT,
-                          node=f"node-{CULPRIT // 2}")
+                          node=f"node-{CULPRIT // 2}", detected_at=newest + 10 * TICK_S)
     store.set_attempt_state(job, 2, AttemptState.FAILED, f"hang: rank {CULPRIT} on node-{CULPRIT // 2}")
     store.set_job_state(job, JobState.FAILED, f"hang: rank {CULPRIT}")
     return HtmlJob(job, CULPRIT, WORLD_SEQS, incidents=2, attempts=2)

@@ -4,8 +4,9 @@ error and no request beyond the file itself; its DOM holds one track per rank an
 culprit's highlight for the right rank and collective; a screenshot of each is kept in
 the test-artifacts folder (``$FLEET_TEST_ARTIFACTS``, default ``.pytest_artifacts/``).
 
-Sources: (a) the dumps of a real gloo hang (``tests.desync_scenarios``: rank 2 never
-enters world collective N) through the ``fleet`` command; (b) a job in a real SQLite store
+Sources: (a) dumps of a hang through the ``fleet`` command: in torch's format from
+``bench.fr_dumps`` (16 ranks), and from a real gloo run (``tests.desync_scenarios``:
+rank 2 never enters world collective N); (b) a job in a real SQLite store
 (``tests.replay_html_job``): its incidents and restart on the time axis, its loss curve;
 (c) 512 ranks of synthetic dumps (``bench.fr_dumps``): the page opens in under 5 s;
 (d) a large job (collective fronts, ``bench.replay_scale``).
@@ -16,6 +17,7 @@ spare renderer behind as a new process); at the end every process it started is 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -178,26 +180,54 @@ def culprit_box(opened: Opened, rank: int, seq: int) -> dict:
     return box
 
 
-def test_a_real_gloo_hang_from_dumps(loaded: Chromium, tmp_path: Path) -> None:
-    from tests.desync_scenarios import CASES, generate
-
-    scenario = generate("skip", tmp_path / "dumps")
-    out = tmp_path / "hang.html"
-    proc = subprocess.run([sys.executable, "-m", "fleet.controlplane.cli.main", "replay", "--dumps",
-                           str(scenario.outdir), "--html", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+def replay_dumps_html(folder: Path, out: Path) -> dict:
+    """``fleet replay --dumps FOLDER --html OUT --json`` as a command: its verdict."""
+    proc = subprocess.run([sys.executable, "-m", "fleet.controlplane.cli.main", "replay", "--dumps", str(folder),
+                           "--html", str(out), "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert f"wrote {out}" in proc.stdout.replace("\n", "")
-    opened = loaded.open(out)
-    check_loaded(opened, scenario.world_size)
-    (culprit,) = CASES["skip"].culprit_ranks
-    culprit_box(opened, culprit, scenario.seq)
+    assert f"wrote {out}" in proc.stderr.replace("\n", "")  # stdout stays the one JSON document
+    return json.loads(proc.stdout)
+
+
+def check_hang_page(opened: Opened, ranks: int, culprit: int, seq: int) -> None:
+    check_loaded(opened, ranks)
+    culprit_box(opened, culprit, seq)
     assert opened.count(".culprit") == 1 and opened.count(".track.is-culprit") == 1
     assert opened.page.evaluate("document.querySelector('.track.is-culprit').dataset.rank") == str(culprit)
+    assert opened.page.evaluate("document.querySelector('.culprit title').textContent").startswith(
+        f"rank {culprit} never entered seq {seq} of group")
     # hovering a lane says what is under the pointer
-    lane = opened.page.locator('.track[data-rank="0"] .lane').bounding_box()
+    lane = opened.page.locator('.track[data-rank="1"] .lane').bounding_box()
     opened.page.mouse.move(lane["x"] + lane["width"] * 0.3, lane["y"] + lane["height"] / 2)
-    assert opened.page.evaluate("document.getElementById('tl-info').textContent").startswith("rank 0")
+    assert opened.page.evaluate("document.getElementById('tl-info').textContent").startswith("rank 1")
+
+
+def test_dumps_of_a_hang(loaded: Chromium, tmp_path: Path) -> None:
+    """Dumps in torch's format (bench.fr_dumps: an MoE job on 16 ranks, rings wrapped):
+    rank 3 never entered world all_reduce N."""
+    from bench.fr_dumps import generate
+
+    plant = generate(tmp_path / "dumps", 16, 400, "hang", culprit=3)
+    verdict = replay_dumps_html(tmp_path / "dumps", tmp_path / "hang.html")
+    assert (verdict["verdict"], verdict["culprit_ranks"]) == ("hang", [3])
+    opened = loaded.open(tmp_path / "hang.html")
+    check_hang_page(opened, 16, 3, plant.seq)
+    opened.screenshot("dumps_hang")
+    assert opened.problems() == []
+
+
+def test_dumps_of_a_real_gloo_hang(loaded: Chromium, tmp_path: Path) -> None:
+    """Four real gloo ranks (tests.desync_scenarios "skip"): rank 2 never enters world
+    collective N, the others wait in it and dump."""
+    from tests.desync_scenarios import CASES, generate
+
+    scenario = generate("skip", tmp_path / "dumps", timeout_s=150)
+    verdict = replay_dumps_html(scenario.outdir, tmp_path / "gloo.html")
+    (culprit,) = CASES["skip"].culprit_ranks
+    # what the page must show: the engine's verdict on these dumps (tests/integration/test_desync_dumps.py)
+    assert (verdict["verdict"], verdict["culprit_ranks"]) == ("hang", [culprit]), json.dumps(verdict)[:3000]
+    opened = loaded.open(tmp_path / "gloo.html")
+    check_hang_page(opened, scenario.world_size, culprit, scenario.seq)
     opened.screenshot("gloo_hang")
     assert opened.problems() == []
 

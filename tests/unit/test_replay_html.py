@@ -22,7 +22,7 @@ from fleet.controlplane.diagnosis import diagnose
 from fleet.controlplane.diagnosis.traces import SignatureTable, TraceBuilder, TraceSet
 from fleet.controlplane.errors import ConfigError
 from fleet.controlplane.replay_html import NOT_A_JOB, json_blob, render_html
-from fleet.controlplane.replay_html_data import CELL, DONE, FRONT, WAITING, job_section, timeline
+from fleet.controlplane.replay_html_data import CELL, DONE, FRONT, MEASURED, WAITING, job_section, timeline
 from fleet.controlplane.replay_html_doc import check_path, write
 from fleet.controlplane.store import Store
 from fleet.proto.fronts import FrontRow
@@ -95,8 +95,8 @@ def no_external_reference(html: str, page: Page) -> None:
 
 def literal_doc(text: str = "x") -> dict:
     """Four ranks; rank 2 never entered world collective 7; two attempts, two incidents."""
-    tracks = {str(r): [0.0, 1.0, 0, 6, 0, DONE, 2.0, 5.0, 0, 7, 0, WAITING] for r in (0, 1, 3)}
-    tracks["2"] = [0.0, 1.5, 0, 6, 0, DONE]
+    tracks = {str(r): [0, 1000, 0, 6, 0, DONE, 2000, 5000, 0, 7, 0, WAITING] for r in (0, 1, 3)}  # µs
+    tracks["2"] = [0, 1500, 0, 6, 0, DONE]
     return {
         "source": f"dumps:/tmp/{text}",
         "diagnosis": {"verdict": "hang", "summary": f"hang: culprit rank 2. {text}", "culprit_ranks": [2],
@@ -136,7 +136,7 @@ def test_page_holds_the_blob_one_track_per_rank_and_the_culprit():
     page = Page(html)
     assert html.startswith("<!DOCTYPE html>")
     blob = page.blob()
-    assert blob["timeline"]["tracks"]["2"] == [0.0, 1.5, 0, 6, 0, DONE]
+    assert blob["timeline"]["tracks"]["2"] == [0, 1500, 0, 6, 0, DONE]
     assert blob["verdict"]["culprit_ranks"] == [2] and blob["job"] == {"attempt_shown": 2}
     assert [a["data-rank"] for a in page.find("div", "track")] == ["0", "1", "2", "3"]
     (culprit,) = page.find(cls="culprit")
@@ -234,8 +234,9 @@ def test_a_missing_collective_is_the_gap_where_the_peers_wait():
     assert h["end_ms"] == tl["end_ms"] > tl["last_ms"]
     cells = tl["tracks"]["0"]
     last = cells[-len(CELL):]
-    assert last[3] == 10 and last[5] == WAITING and last[0] + last[1] == pytest.approx(tl["end_ms"])
+    assert last[3] == 10 and last[5] == WAITING and (last[0] + last[1]) / 1000 == pytest.approx(tl["end_ms"], abs=0.002)
     assert len(tl["tracks"]["2"]) == 9 * len(CELL)
+    assert cells[5] == DONE | MEASURED and cells[1] == 500  # measured: entered at 1 ms, exited 0.5 ms later
 
 
 def test_a_mismatch_is_the_collective_the_culprit_entered():
@@ -277,7 +278,7 @@ def test_fronts_are_cells_and_a_culprit_behind_its_group_is_placed():
             "front_groups": ["dp0"]}
     tl = timeline(None, diag, fronts=fronts, world=range(6), end_ns=200 * MS)
     assert tl["ranks"] == list(range(6)) and tl["absent"] == [4, 5]
-    assert tl["tracks"]["0"][5] == WAITING | FRONT and tl["tracks"]["2"][5] == DONE | FRONT
+    assert tl["tracks"]["0"][5] == WAITING | FRONT and tl["tracks"]["2"][5] == DONE | FRONT | MEASURED
     (h,) = tl["highlights"]
     assert (h["rank"], h["group"], h["seq"], h["kind"]) == (2, "dp0", 12, "missing")
     assert h["start_ms"] == pytest.approx(10.0) and h["end_ms"] == pytest.approx(110.0)  # t0 = rank 2's 90 ms
