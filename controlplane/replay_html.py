@@ -168,7 +168,8 @@ def _timeline(tl: Mapping[str, Any], job: Mapping[str, Any] | None, notes: Seque
                     for k, (_, cls, flag, _, text) in enumerate(marks) if flag)
     h = _track_h(len(tl["ranks"]))
     out.append("<div id=\"tl-controls\"><button id=\"tl-fit\">Fit collectives</button>"
-               "<button id=\"tl-culprit\">Culprit</button><button id=\"tl-whole\">Whole job</button>"
+               "<button id=\"tl-culprit\">Culprit</button>"
+               + ("<button id=\"tl-whole\">Whole job</button>" if job is not None else "") +
                "<button id=\"tl-in\">Zoom in</button><button id=\"tl-out\">Zoom out</button></div>"
                "<div id=\"tl-info\" class=\"muted\"></div>"
                "<div id=\"tl-axis\"><div class=\"pad\"></div><div class=\"scale\">"

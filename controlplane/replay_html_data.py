@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleet.controlplane.diagnosis.traces import TraceSet
-from fleet.proto.fronts import FrontRow
+
+if TYPE_CHECKING:  # fleet.proto.fronts imports numpy: a report from dumps needs none
+    from fleet.proto.fronts import FrontRow
 
 #: Cells (collectives drawn) in the whole timeline: each rank keeps its newest
 #: ``max(MIN_PER_RANK, MAX_CELLS // ranks)``.

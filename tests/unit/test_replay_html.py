@@ -393,3 +393,20 @@ def test_html_of_a_large_job_shows_its_fronts_and_the_paging(tmp_path, capsys):
     cells = [(r, a[i + 2], a[i + 5]) for r, a in tl["tracks"].items() for i in range(0, len(a), len(CELL))]
     pulled = {(r, g) for r, g, f in cells if not f & FRONT}  # the raw entries drawn instead of fronts
     assert pulled and sum(1 for _, _, f in cells if f & FRONT) == 192 - len(pulled)
+
+
+def test_html_from_dumps_imports_no_store_grpc_ray_torch_or_numpy(tmp_path):
+    import subprocess
+    import sys
+
+    folder = write_mesh(tmp_path / "d", stuck=1)
+    probe = (
+        "import sys\n"
+        "from fleet.controlplane.cli.main import main\n"
+        f"code = main(['replay', {str(folder)!r}, '--html', {str(tmp_path / 'r.html')!r}, '--json'])\n"
+        "print(code, sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'sqlalchemy', 'alembic', 'grpc', 'ray', 'torch', 'numpy'}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "0 []" and (tmp_path / "r.html").stat().st_size > 10_000
