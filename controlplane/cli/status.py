@@ -8,7 +8,8 @@ quarantine reason, the current attempt's ranks on it, events lost on the way to 
 store, and (live) its agent: connected, seconds since last heard from. Without JOB: the
 running controller's job, else the newest job in the store. ``--watch`` redraws it every
 ``--interval`` seconds until the job ends or Ctrl-C (exit 0); on a pipe each view is
-printed after the last; with ``--json`` it prints one JSON object per line per refresh. ``StatusSource`` is what `fleet stop` polls too.
+printed after the last; with ``--json`` it prints one JSON object per line per refresh.
+``StatusSource`` is what `fleet stop` polls too.
 """
 
 from __future__ import annotations

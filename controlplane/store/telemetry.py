@@ -625,6 +625,18 @@ class TelemetryMethods(StoreBase):
              "aux_loss": float(aux or 0), "mfu": float(mfu or 0), "imbalanced_ranks": int(imb or 0)}
             for step, k, loss, mean, mx, tok, gn, lr, aux, mfu, imb in rows]
 
+    def kept_step_time(self, job_id: str, attempt: int, up_to: int | None = None) -> float:
+        """Seconds of ``attempt``'s steps (each its slowest rank's ``step_time_s``) up to step
+        ``up_to`` (None: all): `fleet report`'s productive time of an attempt whose steps
+        above ``up_to`` a later restore threw away. Summed in SQL over an index range."""
+        st = Step.__table__.c
+        where = [st.job_id == job_id, st.attempt == attempt]
+        if up_to is not None:
+            where.append(st.step <= up_to)
+        per_step = select(func.max(st.step_time_s).label("t")).where(*where).group_by(st.step).subquery()
+        with self._tx(write=False) as s:
+            return float(s.scalar(select(func.sum(per_step.c.t))) or 0.0)
+
     def job_nodes(self, job_id: str, attempt: int | None = None) -> set[str]:
         """The nodes the job's ranks were placed on (in ``attempt``, or any)."""
         from fleet.controlplane.store.schema import Rank

@@ -172,6 +172,33 @@ def test_status_from_the_store_when_no_controller_answers(live: Live, capsys: py
     assert code == 0 and "from the store (no controller running)" in out and live.job.job_id in out
 
 
+def test_ettr_so_far_is_fleet_reports(store: Store) -> None:
+    """The same ETTR as `fleet report`, summed in SQL: attempt 1's steps above the step
+    attempt 2 restored do not count, each step counts its slowest rank."""
+    from fleet.controlplane.report import load_report
+    from fleet.controlplane.status import ettr_so_far
+
+    job = store.create_job("ettr", total_steps=10, config_json="{}")
+    store.set_job_state(job, JobState.PLACING, "placing")
+    store.create_attempt(job)
+    t0 = time.time()
+    events = [pb.Event(step=pb.StepEvent(job_id=job, attempt=1, rank=r, step=k, step_time_s=0.01 * (1 + r + k),
+                                         end_ns=int((t0 + k) * S))) for k in range(1, 9) for r in range(2)]
+    store.set_attempt_state(job, 1, AttemptState.FAILED, "crash")
+    store.create_attempt(job)
+    store.set_attempt_restored(job, 2, 5)
+    events += [pb.Event(step=pb.StepEvent(job_id=job, attempt=2, rank=r, step=k, step_time_s=0.02,
+                                          end_ns=int((t0 + 10 + k) * S))) for k in range(6, 11) for r in range(2)]
+    store.record_batch("a", 1, 1, events)
+    now = t0 + 30
+    expected = load_report(store, job, now)["ettr"]
+    got = ettr_so_far(store, store.get_job(job), store.get_attempts(job), now)
+    assert got == expected and got is not None and got > 0
+    # by hand: attempt 1 keeps steps 1..5 (slowest rank 1: 0.01 * (2 + k)), attempt 2 steps 6..10
+    productive = sum(0.01 * (2 + k) for k in range(1, 6)) + 5 * 0.02
+    assert got == pytest.approx(productive / (now - store.get_job(job).created_at), abs=1e-4)
+
+
 def test_a_controller_that_does_not_answer_falls_back_to_the_store(store: Store, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     job = _seed(store)
