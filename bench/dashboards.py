@@ -1,6 +1,6 @@
 """The dashboards' data path: incident -> annotation delay, /metrics scrape cost, exporter CPU share.
 
-    .venv/bin/python bench/dashboards.py [--steps 120] [--scrapes 50] [--sim-ranks 4,64]
+    .venv/bin/python bench/dashboards.py [--steps 120] [--scrapes 50] [--sim-ranks 4,64] [--no-ab]
 
 One local job (examples/local.yaml's shape: two simulated nodes, four gloo ranks, FSDP2 +
 expert parallelism, the tiny MoE model) with a crash (rank 2) and a hang (rank 0) scheduled
@@ -16,9 +16,16 @@ from dashboards/prometheus.yml with the intervals at 1 s: tests/prometheus.py). 
   a SQLite store, served over HTTP) fed synthetic batches of N ranks (8 per node, 20
   steps: two MoE layers of 16 experts, a world all_reduce and an 8-rank all_to_all per
   step, fingerprint checks, 3 incidents per node); median of ``--scrapes`` scrapes.
-* **exporter_cpu_share**: ``fleet_exporter_collect_seconds_total`` (wall time of the
-  exporter's scrapes and refreshes: an upper bound of its CPU) over the controller
-  process's CPU time (psutil, user + system), both from the first to the last timed scrape.
+* **exporter_cpu_share**: ``fleet_exporter_collect_seconds_total`` (the wall time of the
+  exporter's scrapes and refreshes, waits for the GIL and the store included: an upper
+  bound of its CPU) over the controller process's CPU time (psutil, user + system), both
+  from the first to the last timed scrape.
+* **exporter_cpu_share_ab**: the same job run again with ``controller.metrics: false``
+  (``--no-ab`` skips it): 1 - the controller's CPU without metrics / with them (whole runs;
+  one run each, so a few percent either way is noise).
+* **cpu_scrape_s_{N}_ranks_sim**, **cpu_refresh_s_{N}_ranks_sim**: this thread's CPU time
+  (``time.thread_time``) to render one scrape and to run one refresh of the simulated
+  controller: the exporter's CPU itself, without waits.
 * **panels**, **panels_with_data**: panels of the generated dashboards, and those all of
   whose queries returned series (instant queries, Grafana's variables filled in) at some
   point while the job ran.
@@ -65,8 +72,9 @@ PANELS_EVERY_S = 2.0
 TARGET_DELAY_S = 5.0
 
 
-def write_job(tmp: Path, steps: int) -> Path:
+def write_job(tmp: Path, steps: int, *, metrics: bool = True) -> Path:
     cfg = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+    cfg["controller"]["metrics"] = metrics
     cfg["job"].update(steps=steps, checkpoint_interval=20, checkpoint_dir=str(tmp / ".fleet" / "checkpoints"))
     cfg["ray"]["cpus_per_node"] = 3
     cfg["controller"]["metrics_refresh_interval_s"] = INTERVAL_S
@@ -93,12 +101,54 @@ def sample(text: str, name: str) -> float:
     return 0.0
 
 
-def controller_info(tmp: Path) -> dict | None:
+def controller_info(tmp: Path, *, metrics: bool = True) -> dict | None:
     try:
         info = json.loads((tmp / ".fleet" / "controller.json").read_text())
     except (OSError, ValueError):
         return None
-    return info if info.get("metrics_port") else None
+    return info if info.get("metrics_port") or not metrics else None
+
+
+def start_job(tmp: Path, steps: int, *, metrics: bool) -> tuple[subprocess.Popen, dict]:
+    """`fleet up` of the benchmark's job in ``tmp``, and its controller.json once written."""
+    cluster = write_job(tmp, steps, metrics=metrics)
+    with (tmp / "fleet-up.out").open("w") as out, (tmp / "fleet-up.err").open("w") as err:
+        proc = subprocess.Popen([*FLEET, "up", "--cluster", str(cluster), "--json"], cwd=tmp, stdout=out, stderr=err)
+    deadline = time.monotonic() + 180
+    while (info := controller_info(tmp, metrics=metrics)) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+            raise SystemExit(f"fleet up did not start: {(tmp / 'fleet-up.err').read_text()[-3000:]}")
+        time.sleep(0.2)
+    return proc, info
+
+
+def cpu_s(process: psutil.Process) -> float:
+    cpu = process.cpu_times()
+    return cpu.user + cpu.system
+
+
+def run_without_metrics(tmp: Path, steps: int) -> float:
+    """The same job with ``controller.metrics: false``: the controller process's CPU seconds
+    (from its start to its last sample before it exits)."""
+    proc, info = start_job(tmp, steps, metrics=False)
+    controller = psutil.Process(info["pid"])
+    used = 0.0
+    try:
+        while proc.poll() is None:
+            try:
+                used = cpu_s(controller)
+            except psutil.Error:
+                break
+            time.sleep(POLL_S)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    return used
 
 
 def run_job(tmp: Path, steps: int) -> dict:
@@ -107,17 +157,9 @@ def run_job(tmp: Path, steps: int) -> dict:
     by_panel: dict[tuple[str, str], list[str]] = {}
     for q in queries:
         by_panel.setdefault((q.dashboard, q.panel), []).append(q.expr)
-    cluster = write_job(tmp, steps)
-    out = (tmp / "fleet-up.out").open("w")
-    err = (tmp / "fleet-up.err").open("w")
     with PrometheusServer(tmp, tmp / ".fleet" / TARGETS_FILE, interval_s=INTERVAL_S) as prom:
-        proc = subprocess.Popen([*FLEET, "up", "--cluster", str(cluster), "--json"], cwd=tmp, stdout=out, stderr=err)
+        proc, info = start_job(tmp, steps, metrics=True)
         try:
-            deadline = time.monotonic() + 180
-            while (info := controller_info(tmp)) is None:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"fleet up did not start: {(tmp / 'fleet-up.err').read_text()[-3000:]}")
-                time.sleep(0.2)
             job_id, port = info["job_id"], info["metrics_port"]
             controller = psutil.Process(info["pid"])
             prom.wait_for(prom.targets_up, "the fleet target", 120)
@@ -126,35 +168,37 @@ def run_job(tmp: Path, steps: int) -> dict:
             first_seen: dict[int, float] = {}
             scrapes: list[float] = []
             first = last = None   # (exporter seconds, controller CPU seconds)
+            total_cpu = 0.0
             next_scrape = next_panels = 0.0
+            serving = True        # until the controller's teardown closes its endpoint
             while proc.poll() is None:
                 tick = time.monotonic()
                 try:
-                    for s in prom.query(annotation):
-                        first_seen.setdefault(int(s["metric"]["incident"]), time.time())
-                    if tick >= next_scrape:
-                        next_scrape = tick + TIMED_SCRAPE_EVERY_S
+                    total_cpu = cpu_s(controller)
+                except psutil.Error:
+                    break          # the controller process is gone
+                for s in prom.query(annotation):
+                    first_seen.setdefault(int(s["metric"]["incident"]), time.time())
+                if serving and tick >= next_scrape:
+                    next_scrape = tick + TIMED_SCRAPE_EVERY_S
+                    try:
                         took, text = timed_scrape(port)
-                        cpu = controller.cpu_times()
-                        point = (sample(text, "fleet_exporter_collect_seconds_total"), cpu.user + cpu.system)
+                        point = (sample(text, "fleet_exporter_collect_seconds_total"), cpu_s(controller))
+                    except (OSError, psutil.Error):
+                        serving = False
+                    else:
                         scrapes.append(took)
                         first = first or point
                         last = point
-                    if tick >= next_panels:
-                        next_panels = tick + PANELS_EVERY_S
-                        pending -= {e for e in pending if prom.query(substitute(e, job_id))}
-                except (OSError, psutil.Error):
-                    if proc.poll() is not None:  # the job ended while we were asking
-                        break
-                    raise
+                if serving and tick >= next_panels:
+                    next_panels = tick + PANELS_EVERY_S
+                    pending -= {e for e in pending if prom.query(substitute(e, job_id))}
                 time.sleep(max(0.0, POLL_S - (time.monotonic() - tick)))
             proc.wait(60)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(30)
-            out.close()
-            err.close()
     summary = json.loads((tmp / "fleet-up.out").read_text() or "{}")
     with Store(f"sqlite:///{tmp}/.fleet/fleet.db") as store:
         incidents = store.incidents(job_id)
@@ -165,7 +209,7 @@ def run_job(tmp: Path, steps: int) -> dict:
     return {
         "state": summary.get("state"), "attempts": summary.get("attempts"), "incidents": delays,
         "scrape_s_4_ranks": statistics.median(scrapes), "timed_scrapes": len(scrapes),
-        "exporter_s": last[0] - first[0], "controller_cpu_s": last[1] - first[1],
+        "exporter_s": last[0] - first[0], "controller_cpu_s": last[1] - first[1], "controller_cpu_total_s": total_cpu,
         "panels": len(by_panel), "panels_with_data": len(with_data),
         "panels_without_data": sorted(f"{d} / {p}" for d, p in set(by_panel) - set(with_data)),
     }
@@ -258,6 +302,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120, help="steps of the local job (default 120)")
     parser.add_argument("--scrapes", type=int, default=50, help="timed scrapes per simulated size (default 50)")
     parser.add_argument("--sim-ranks", default="4,64", help="simulated rank counts (default 4,64)")
+    parser.add_argument("--no-ab", action="store_true",
+                        help="skip the second run of the job with controller.metrics false")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sim_ranks.split(",")]
     if args.steps < 20 or args.scrapes < 1 or not sizes or min(sizes) < 1:
@@ -266,6 +312,10 @@ def main() -> None:
     sim = {n: simulated_scrape(n, args.scrapes) for n in sizes}
     with tempfile.TemporaryDirectory(prefix="fleet-bench-dash-") as d:
         job = run_job(Path(d), args.steps)
+    off_cpu = None
+    if not args.no_ab:
+        with tempfile.TemporaryDirectory(prefix="fleet-bench-dash-") as d:
+            off_cpu = run_without_metrics(Path(d), args.steps)
     delays = [v for v in job["incidents"].values() if v is not None]
 
     print(f"job: {job['state']} in {job['attempts']} attempts; incidents (id:kind -> annotation delay s): "
@@ -280,7 +330,12 @@ def main() -> None:
               f"per scrape, {s['cpu_refresh_s'] * 1e3:.2f} ms per refresh")
     share = job["exporter_s"] / job["controller_cpu_s"] if job["controller_cpu_s"] > 0 else float("nan")
     print(f"exporter: {job['exporter_s']:.2f} s (fleet_exporter_collect_seconds_total) against "
-          f"{job['controller_cpu_s']:.1f} s of controller CPU: {share:.1%}")
+          f"{job['controller_cpu_s']:.1f} s of controller CPU: {share:.1%} (the counter is wall time)")
+    ab_share = None
+    if off_cpu is not None:
+        ab_share = (job["controller_cpu_total_s"] - off_cpu) / job["controller_cpu_total_s"]
+        print(f"controller CPU, whole run: {job['controller_cpu_total_s']:.1f} s with metrics (scraped every "
+              f"{INTERVAL_S:g} s), {off_cpu:.1f} s without: {ab_share:+.1%}")
     print(f"panels: {job['panels_with_data']} of {job['panels']} with data"
           + (f"; without: {job['panels_without_data']}" if job["panels_without_data"] else ""))
     result = {
@@ -295,6 +350,9 @@ def main() -> None:
         "exporter_s": round(job["exporter_s"], 3), "controller_cpu_s": round(job["controller_cpu_s"], 3),
         "scrape_s_64_ranks": round(sim[64]["scrape_s"], 5) if 64 in sim else None,
         "exporter_cpu_share": round(share, 4),
+        "exporter_cpu_share_ab": round(ab_share, 4) if ab_share is not None else None,
+        "controller_cpu_s_metrics_on": round(job["controller_cpu_total_s"], 2),
+        "controller_cpu_s_metrics_off": round(off_cpu, 2) if off_cpu is not None else None,
         "panels": job["panels"], "panels_with_data": job["panels_with_data"],
         "job_state": job["state"], "cpus": os.cpu_count(),
     }

@@ -30,8 +30,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 SCRAPE_S = 1.0
 REFRESH_S = 1.0                 # controller.metrics_refresh_interval_s
-STEPS = 30
-CRASH_STEP = 8
+STEPS = 20
+CRASH_STEP = 6
 #: what an annotation may take beyond a scrape and a refresh: the 0.2 s poll, the store
 #: commit and query latency on a loaded 2-core machine
 ANNOTATION_SLACK_S = 1.0
@@ -41,7 +41,7 @@ NO_DATA_HERE: dict[str, str] = {}
 
 def small_job(tmp: Path) -> Path:
     """examples/local.yaml made small: DDP (copies for the SDC fingerprints), one crash."""
-    path = write_cluster(tmp, steps=STEPS, checkpoint_interval=10, data_parallel="ddp", ep_size=1)
+    path = write_cluster(tmp, steps=STEPS, checkpoint_interval=5, data_parallel="ddp", ep_size=1)
     cfg = yaml.safe_load(path.read_text())
     cfg["controller"]["metrics_refresh_interval_s"] = REFRESH_S
     cfg["sdc"] = {"check_interval": 5}
