@@ -200,25 +200,35 @@ def highlights(diagnosis: Mapping[str, Any], index: Mapping[tuple[int, str, int]
                     "end_ms": _ms(max(stop, start) - t0), "finding": finding, "detail": detail})
         placed.add(rank)
 
+    def newest_end(rank: int, group: str | None = None) -> int:
+        """Where ``rank`` was last seen (in ``group``): its newest cell's end, else ``t0``."""
+        return max((c[0] if c[1] < 0 else c[1] for c in cells.get(rank, ()) if group is None or c[2] == group),
+                   default=t0)
+
     for f in diagnosis.get("findings", []):
-        g, seq = f.get("group", "").removesuffix(":p2p"), int(f.get("seq") or 0)
+        name, seq = f.get("group", ""), int(f.get("seq") or 0)
+        p2p = name.endswith(":p2p")  # a point-to-point seq: no collective cell carries it
+        g = name.removesuffix(":p2p")
+        if not g or not seq:  # a cycle: placed below
+            continue
         for r in f.get("ranks", []):
             if r not in culprits or len(out) >= MAX_HIGHLIGHTS:
                 continue
-            own = index.get((r, g, seq))
-            if own is not None and not f.get("group", "").endswith(":p2p"):
+            own = None if p2p else index.get((r, g, seq))
+            if own is not None:
                 add(r, g, seq, "entered", own[0], t_end if own[1] < 0 else own[1], f["kind"], f["detail"])
                 continue
-            peers = [c[0] for (pr, pg, ps), c in index.items() if pg == g and ps == seq and pr != r] if seq else []
-            if peers:
-                add(r, g, seq, "missing", min(peers), t_end, f["kind"], f["detail"])
+            peers = [] if p2p else [c[0] for (pr, pg, ps), c in index.items() if pg == g and ps == seq and pr != r]
+            # from when the first peer entered it; peers not shown (--rank): from the culprit's last op there
+            start = min(peers) if peers else max(newest_end(r, g), newest_end(r) if p2p else t0)
+            add(r, name if p2p else g, seq, "missing", start, t_end, f["kind"], f["detail"])
     for r in culprits:
         if r in placed or len(out) >= MAX_HIGHLIGHTS:
             continue
         g, seq, start = _behind(r, index)
         if not seq:
             mine = cells.get(r, [])
-            start = max((c[0] if c[1] < 0 else c[1] for c in mine), default=t0)
+            start = newest_end(r)
             g, seq = (mine[-1][2], mine[-1][3] + 1) if mine else ("", 0)
         add(r, g, seq, "missing", start, t_end, "culprit", diagnosis.get("summary", ""))
     return out

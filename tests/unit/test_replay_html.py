@@ -372,6 +372,12 @@ def test_html_of_a_job_in_the_store(tmp_path, capsys):
     hang = float(page.find("g", "incident")[1]["data-t"])
     assert tl["end_ms"] == pytest.approx(hang, abs=0.01) and 0 < tl["last_ms"] < hang
     assert float(page.find("g", "restart")[0]["data-t"]) < 0  # attempt 2 began before its first collective
+    # the culprit alone (--rank): its peers are not drawn, the gap starts where it was last seen in the group
+    assert run(capsys, "replay", job.job, "--store", url, "--rank", str(job.culprit), "--html", str(out_file))[0] == 0
+    page = Page(out_file.read_text())
+    (c,) = page.find(cls="culprit")
+    assert (c["data-rank"], c["data-group"], c["data-seq"]) == (str(job.culprit), "0", str(job.world_seq))
+    assert [a["data-rank"] for a in page.find("div", "track")] == [str(job.culprit)]
 
 
 def test_html_of_a_large_job_shows_its_fronts_and_the_paging(tmp_path, capsys):
