@@ -46,7 +46,7 @@ def _setup_logging(state_dir: Path, verbose: bool) -> Path:
 def up(
     cluster: Annotated[
         Path | None, typer.Option("--cluster", "-c", envvar=CLUSTER_ENV, show_envvar=True,
-                                  help="cluster.yaml to run [default: examples/local.yaml].",
+                                  help="cluster.yaml to run.",
                                   show_default="examples/local.yaml")
     ] = None,
     sets: SetOpt = None,
