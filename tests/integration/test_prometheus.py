@@ -65,26 +65,30 @@ def prometheus(tmp_path: Path) -> Iterator[PrometheusServer]:
 
 @pytest.fixture
 def fleet_up(tmp_path: Path) -> Iterator[FleetUp]:
+    started = time.time()
     run = FleetUp(tmp_path, small_job(tmp_path))
     try:
         yield run
     finally:
-        stop(run)
+        stop(run, started)
 
 
-def stop(run: FleetUp) -> None:
-    """End a `fleet up` still running (Ctrl-C, then SIGKILL) and every process it started, by PID."""
+def stop(run: FleetUp, started: float) -> None:
+    """End a `fleet up` still running (Ctrl-C, then SIGKILL) and the processes it started, by PID
+    (those seen in its tree and created since ``started``: a PID reused since is not ours)."""
     if run.proc.poll() is None:
         run.sample()
         run.proc.send_signal(signal.SIGINT)
         try:
-            run.proc.wait(60)
+            run.wait(60)
         except subprocess.TimeoutExpired:
             run.proc.kill()
-            run.proc.wait(10)
+    run.wait(10)  # also closes its output files
     for pid in run.seen_pids:
         try:
-            psutil.Process(pid).kill()
+            process = psutil.Process(pid)
+            if process.create_time() >= started - 1:
+                process.kill()
         except psutil.Error:
             pass
 
