@@ -143,7 +143,7 @@ def take_over(store: Store, state_dir: Path, job_id: str) -> Takeover:
         info = None
     if info is not None and info.job_id == job_id and info.pid != os.getpid() and psutil.pid_exists(info.pid):
         raise StateError(f"job {job_id} is still run by controller pid {info.pid}; stop it first "
-                         "(fleet stop) or let it finish")
+                         f"(`fleet stop {job_id}`) or let it finish")
     dead_pid = info.pid if info is not None and info.job_id == job_id else 0
     ended = end_leftovers(state_dir, dead_pid) if dead_pid else 0
     restarts = sum(1 for a in store.actions(job_id) if a.kind == "restart")
