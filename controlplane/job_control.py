@@ -45,7 +45,6 @@ class LiveJob:
     _placement: list[str] = field(default_factory=list)
     _no_copies: str = ""
     _stop_phase: str = ""
-    stop_by: str = ""  # who asked for the stop ("user@host"; "" = not said)
 
     def position(self) -> tuple[int, list[str]]:
         """(current attempt, node name of each rank); (0, []) before the first."""
@@ -87,7 +86,6 @@ class LiveJob:
             if self.stopping.is_set():
                 return False
             who = f"stopped by operator {by}" if by else "stopped by operator"
-            self.stop_by = by
             self.stop_reason = f"{who}: {reason}" if reason else who
             self.stopping.set()
             return True
@@ -97,9 +95,10 @@ class JobService:
     """``control_server.JobControl`` for the job a controller runs (gRPC threads)."""
 
     def __init__(self, store: Store, job: LiveJob, agents: AgentRegistry | None = None,
-                 stop_timeout_s: float = 60.0) -> None:
+                 stop_timeout_s: float = 0.0) -> None:
         """``agents``: the registry whose connected agents `fleet status` shows (None:
-        none shown); ``stop_timeout_s``: job.stop_timeout_s, told to whoever stops the job."""
+        none shown); ``stop_timeout_s``: job.stop_timeout_s, told to whoever stops the job
+        (0: not told)."""
         self._store = store
         self._job = job
         self._agents = agents

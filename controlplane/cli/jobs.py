@@ -183,8 +183,9 @@ def _asked(job: str, attempt: int, stop_timeout_s: float, json_out: bool) -> Non
     if json_out:
         print_json({"job_id": job, "state": "STOPPING", "attempt": attempt, "stop_timeout_s": stop_timeout_s})
         return
-    console.print(f"stopping job [bold]{job}[/] (attempt {attempt}): its ranks save a checkpoint and leave "
-                  f"(up to {stop_timeout_s:g} s), then teardown; `fleet status {job}` follows it", highlight=False)
+    within = f" (up to {stop_timeout_s:g} s)" if stop_timeout_s else ""
+    console.print(f"stopping job [bold]{job}[/] (attempt {attempt}): its ranks save a checkpoint and leave"
+                  f"{within}, then teardown; `fleet status {job}` follows it", highlight=False)
 
 
 def _stopped(s: Status, controller_exited: bool, waited_s: float, json_out: bool) -> None:
