@@ -46,7 +46,7 @@ from fleet.controlplane.lifecycle import AttemptState, JobState, NodeActor
 from fleet.controlplane.logtee import LogTee
 from fleet.controlplane.placement import choose_nodes
 from fleet.controlplane.policy import QuarantineDecision, decide_quarantine
-from fleet.controlplane.recovery import PendingRecovery, finish_recovery, note_processes
+from fleet.controlplane.recovery import PendingRecovery, faults_after, finish_recovery, note_processes
 from fleet.controlplane.runtime import Agents, NodeInfo, Pool, Runtime, Workers
 from fleet.controlplane.sdc import copies_problem
 from fleet.controlplane.stopping import Stopper
@@ -163,8 +163,12 @@ class AttemptRunner:
 
     # -- the attempts --------------------------------------------------------------------
 
-    def run(self, nodes: list[NodeInfo], recovery: PendingRecovery | None) -> tuple[JobState, str]:
-        """Attempts until the job ends; returns its end state and why."""
+    def run(self, nodes: list[NodeInfo], recovery: PendingRecovery | None, *,
+            resumed_at: int | None = None) -> tuple[JobState, str]:
+        """Attempts until the job ends; returns its end state and why. ``recovery``: the
+        restart a takeover after a controller crash began; ``resumed_at``: the job was
+        stopped and is resumed from that step's checkpoint, so only the config's faults
+        timed after it are scheduled (``recovery.faults_after``)."""
         cfg, job = self.config, self.job
         program = launch.program_launch(cfg, self._environ)
         # a program restarts every rank: enough warm interpreters per node for a whole group
@@ -218,7 +222,8 @@ class AttemptRunner:
             if first:
                 self._timings_s["placement_s"] = time.monotonic() - t_place
                 first = False
-                for order in cfg.chaos.orders():
+                orders = cfg.chaos.orders()
+                for order in orders if resumed_at is None else faults_after(orders, resumed_at):
                     self.scheduler.submit(order)
             if recovery is not None:
                 recovery.attempt, recovery.t_run, recovery.reused = attempt, t_run, reused

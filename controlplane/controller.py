@@ -1,7 +1,7 @@
 """The controller: runs one job through its lifecycle until it succeeds, fails or stops.
 
-Order of life: create the job row (or take over a job whose controller died,
-``recovery.take_over``) -> start or attach the cluster (Ray) -> start the gRPC server and
+Order of life: create the job row (or take over a job whose controller died, or resume a
+stopped one: ``recovery.take_over``) -> start or attach the cluster (Ray) -> start the gRPC server and
 the metrics (token, controller.json, the Prometheus target file) -> one agent per node ->
 the attempts (``attempts``: place, run, watch, attribute, decide, restart). Every state change is a row in the
 store. Teardown (chaos, watchdog, workers, agents, Ray, metrics, server) runs on every exit
@@ -85,8 +85,9 @@ class Controller:
         runtime: Runtime | None = None,
         on_output: Callable[[str], None] | None = None,
     ) -> None:
-        """``resume_job``: take over this job, whose controller died (``fleet up --resume``),
-        instead of creating one. ``runtime``: how the cluster, agents and workers are
+        """``resume_job``: take this job up again instead of creating one (``fleet up
+        --resume``): one whose controller died, or one an operator stopped; this config
+        (the file given, not the stored one) runs it on. ``runtime``: how the cluster, agents and workers are
         built (None: Ray's, ``runtime.ray_runtime``). ``on_output(line)``: where a user
         program's rank-prefixed output goes when ``job.entrypoint.tee`` is set."""
         self._on_output = on_output
@@ -122,11 +123,14 @@ class Controller:
         """Run the job to an end state; always tears down what it started."""
         cfg = self.config
         t_start = time.monotonic()
-        recovery = None
+        recovery, resumed_at = None, None
         if self._resume_job:
-            takeover = take_over(self.store, self._state_dir, self._resume_job)
+            # the ranks restore from <job.checkpoint_dir>/<job>: the folder the job has used from its start
+            takeover = take_over(self.store, self._state_dir, self._resume_job,
+                                 checkpoint_dir=(Path(cfg.job.checkpoint_dir) / self._resume_job).resolve(),
+                                 steps=cfg.job.steps if cfg.job.user_program is None else 0)
             self._job.job_id, self._job.restarts = self._resume_job, takeover.restarts
-            recovery = takeover.recovery
+            recovery, resumed_at = takeover.recovery, takeover.resumed_at
         else:
             self._job.job_id = self.store.create_job(
                 cfg.name, cfg.job.steps if cfg.job.user_program is None else 0, self._config_json)
@@ -167,7 +171,7 @@ class Controller:
             self._start_agents(nodes, agents)
             watchdog.start()
             runner.scheduler.start()
-            result = self._finish(*runner.run(nodes, recovery))
+            result = self._finish(*runner.run(nodes, recovery, resumed_at=resumed_at))
         except KeyboardInterrupt:
             self._finish(JobState.STOPPED, "interrupted (Ctrl-C)")
             raise

@@ -4,7 +4,10 @@ A job has attempts; an attempt is one worker group with one process group. A nod
 healthy (placement may use it) or quarantined (taken out, by an operator or by the
 quarantine policy, until released).
 Allowed transitions are tables; ``check_transition`` raises ``StateError`` on any other
-move, a self-move included. The store calls it on every state change and records the
+move, a self-move included. A terminal state (``JobState.terminal``) means no controller
+runs the job any more; the one way out of one is a resume of a STOPPED job
+(``STOPPED -> RESTARTING``, `fleet up --resume JOB`, ``recovery.take_over``): an operator's
+stop is a pause, a SUCCEEDED or FAILED job stays ended. The store calls it on every state change and records the
 transition as a row (``transitions`` for jobs and attempts, ``node_transitions`` for
 nodes, with who moved the node: a ``NodeActor``).
 """
@@ -27,7 +30,13 @@ class JobState(str, enum.Enum):
 
     @property
     def terminal(self) -> bool:
+        """No controller runs the job: it ended (a STOPPED one may be resumed, ``resumable``)."""
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+
+    @property
+    def resumable(self) -> bool:
+        """An ended job that `fleet up --resume` may take up again (STOPPED -> RESTARTING)."""
+        return self is JobState.STOPPED
 
 
 class AttemptState(str, enum.Enum):
@@ -67,7 +76,7 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _J.RESTARTING: frozenset({_J.PLACING, _J.FAILED, _J.STOPPED}),
     _J.SUCCEEDED: frozenset(),
     _J.FAILED: frozenset(),
-    _J.STOPPED: frozenset(),
+    _J.STOPPED: frozenset({_J.RESTARTING}),  # only a resume (`fleet up --resume`) takes it
 }
 
 _A = AttemptState

@@ -1,13 +1,17 @@
 """Recovery: a restart's phases as they are measured, what an injected fault caused, the
 processes a controller started (so a controller taking over after a crash ends exactly
-those), and the takeover itself (``take_over``: ``fleet up --resume``). Pure functions,
+those), and the takeover itself (``take_over``: ``fleet up --resume``, of a job whose
+controller died or of a stopped one, and which of the config's faults a resumed stop
+schedules again, ``faults_after``). Pure functions,
 files and store rows; no Ray, no gRPC."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,9 +21,9 @@ import psutil
 
 from fleet.controlplane import auth, chaos
 from fleet.controlplane.detectors import Incident
-from fleet.controlplane.errors import FleetError, StateError
+from fleet.controlplane.errors import ConfigError, FleetError, StateError
 from fleet.controlplane.lifecycle import AttemptState, JobState
-from fleet.controlplane.store import RecoveryRecord, Store, WorkerStatusRecord
+from fleet.controlplane.store import CheckpointRecord, JobRecord, RecoveryRecord, Store, WorkerStatusRecord
 from fleet.proto.kinds import FaultKind, IncidentKind
 
 log = logging.getLogger(__name__)
@@ -122,21 +126,45 @@ def end_leftovers(state_dir: Path, dead_pid: int) -> int:
 
 @dataclass(frozen=True)
 class Takeover:
-    """A job adopted from a dead controller: the restart in progress, and the restarts
-    counted so far (this one included)."""
+    """A job taken up again by ``take_over``. After its controller died: the restart in
+    progress (``recovery``) and the restarts counted so far, this one included. After a
+    stop: no recovery (a resume is not a failure), the restarts so far (none added), and
+    ``resumed_at``, the step of the checkpoint the next attempt restores (0: none valid)."""
 
-    recovery: PendingRecovery
+    recovery: PendingRecovery | None
     restarts: int
+    resumed_at: int | None = None  # None: a takeover after a controller crash
 
 
-def take_over(store: Store, state_dir: Path, job_id: str) -> Takeover:
-    """Adopt ``job_id`` after its controller died: end what the dead controller left
-    running, fail its attempt with a controller-crash incident and count a restart; the
-    next attempt restores the newest valid checkpoint on disk. ``StateError`` when the
-    job has ended or its controller still runs."""
+def operator() -> str:
+    """Who runs this process, as a job's reasons name an operator: user@host."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a bare container)
+        user = ""
+    host = socket.gethostname()
+    return f"{user}@{host}" if user else host
+
+
+def take_over(store: Store, state_dir: Path, job_id: str, *, checkpoint_dir: Path | None = None,
+              steps: int = 0, by: str = "") -> Takeover:
+    """Take ``job_id`` up again (`fleet up --resume`): a job whose controller died, or one
+    an operator stopped. End what a dead controller left running; after a crash, fail its
+    attempt with a controller-crash incident and count a restart; after a stop, record a
+    ``resume`` action by ``by`` (``operator()`` when empty) and move the job STOPPED ->
+    RESTARTING. Either way the next attempt restores the newest valid checkpoint in the
+    job's own folder.
+
+    ``checkpoint_dir``: the folder this run's ranks restore from (``<job.checkpoint_dir>/<job>``),
+    ``steps``: its ``job.steps`` (0: a program's, whose steps are its own); a stopped job's
+    are checked against its stop (``check_resume``) and a changed ``job.steps`` is stored.
+    ``StateError`` when the job SUCCEEDED or FAILED or its controller still runs;
+    ``ConfigError`` when the given config cannot continue it."""
     job = store.get_job(job_id)
-    if job.state.terminal:
-        raise StateError(f"job {job_id} is {job.state.value}; there is nothing to resume")
+    if job.state.terminal and not job.state.resumable:
+        raise StateError(f"job {job_id} is {job.state.value}; there is nothing to resume",
+                         hint=f"only a STOPPED job or one whose controller died can be resumed; "
+                              f"`fleet report {job_id}` shows how it ended, `fleet up` starts a new job")
     try:
         info = auth.read_controller_info(state_dir)
     except FleetError:
@@ -144,11 +172,16 @@ def take_over(store: Store, state_dir: Path, job_id: str) -> Takeover:
     if info is not None and info.job_id == job_id and info.pid != os.getpid() and psutil.pid_exists(info.pid):
         raise StateError(f"job {job_id} is still run by controller pid {info.pid}; stop it first "
                          f"(`fleet stop {job_id}`) or let it finish")
+    newest = store.latest_valid_checkpoint(job_id)
+    if job.state.resumable:
+        check_resume(job, newest, checkpoint_dir, steps)
     dead_pid = info.pid if info is not None and info.job_id == job_id else 0
     ended = end_leftovers(state_dir, dead_pid) if dead_pid else 0
     restarts = sum(1 for a in store.actions(job_id) if a.kind == "restart")
     attempts = store.get_attempts(job_id)
     last = attempts[-1].number if attempts else 0
+    if job.state.resumable:
+        return _resume_stopped(store, job, last, newest.step if newest else 0, steps, by or operator(), restarts)
     evidence = (f"the controller of job {job_id} (pid {dead_pid or '?'}) died; "
                 f"taken over by pid {os.getpid()}, {ended} leftover process(es) ended")
     incident_id = store.record_incident(job_id, last, IncidentKind.CONTROLLER_CRASH.value, "resume", evidence,
@@ -166,3 +199,46 @@ def take_over(store: Store, state_dir: Path, job_id: str) -> Takeover:
     recovery = PendingRecovery(incident_id, last, failed_at, span[1] if span else 0,
                                detect_s=max(0.0, now - failed_at), teardown_s=0.0)
     return Takeover(recovery, restarts + 1)
+
+
+def check_resume(job: JobRecord, newest: CheckpointRecord | None, checkpoint_dir: Path | None,
+                 steps: int) -> None:
+    """``ConfigError`` when a resume of the stopped ``job`` with this config could not go on
+    from ``newest`` (its newest valid checkpoint): the ranks would look for it in another
+    folder (``job.checkpoint_dir``, or the command runs from another folder), or
+    ``job.steps`` leaves nothing past it to train. Pure."""
+    if newest is None or not steps:
+        return  # nothing to restore (it starts afresh), or a program's own checkpoints
+    where = Path(newest.path)
+    if checkpoint_dir is not None and not where.is_relative_to(checkpoint_dir):
+        raise ConfigError(
+            f"job.checkpoint_dir: job {job.id}'s checkpoint of step {newest.step} is {where}, outside "
+            f"{checkpoint_dir}, where this run's ranks would restore from",
+            hint=f"run `fleet up --resume {job.id}` from the folder the job was started in, or --set "
+                 f"job.checkpoint_dir to the folder that holds {where.parent}")
+    if steps <= newest.step:
+        raise ConfigError(f"job.steps is {steps}, but job {job.id} stopped with a checkpoint at step "
+                          f"{newest.step}: there is nothing left to train",
+                          hint=f"--set job.steps=N with N > {newest.step} (the job was created with "
+                               f"{job.total_steps})")
+
+
+def _resume_stopped(store: Store, job: JobRecord, last: int, step: int, steps: int, by: str,
+                    restarts: int) -> Takeover:
+    reason = f"resumed by operator {by} after a stop"
+    restore = f"the checkpoint of step {step}" if step else "no valid checkpoint: from the start"
+    changed = f"; job.steps {job.total_steps} -> {steps}" if steps and steps != job.total_steps else ""
+    if changed:
+        store.set_job_total_steps(job.id, steps)
+    store.set_job_state(job.id, JobState.RESTARTING, reason)
+    store.record_action(job.id, last, "resume", f"{reason}; restores {restore}{changed}")
+    log.warning("job %s %s; restores %s%s", job.id, reason, restore, changed)
+    return Takeover(None, restarts, resumed_at=step)
+
+
+def faults_after(orders: Sequence[chaos.FaultOrder], step: int) -> list[chaos.FaultOrder]:
+    """The config's faults a job resumed from a stop at ``step`` schedules again: those timed
+    at a later step (the stopped run never reached them). Those at ``step`` or before fired
+    before the stop, and those timed in seconds or "at once" belonged to the run they were
+    given to (at its first attempt): none of them fires again."""
+    return [o for o in orders if o.at_step > step and o.after_s == 0]

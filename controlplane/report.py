@@ -6,8 +6,15 @@ a synchronous step ends when its last rank does):
 
 - **productive**: the steps the job kept. When an attempt restores step ``r``, every
   execution of a step ``> r`` by an earlier attempt is thrown away; those are
-  **recomputed**. ETTR = productive / wall, wall = job end (or now) - job creation.
-- **start-up**: job creation to the first step's start of attempt 1.
+  **recomputed**. ETTR = productive / wall, wall = job end (or now) - job creation -
+  stopped.
+- **stopped** (``stopped_s``, not lost time): the job sat STOPPED by an operator, from
+  its STOPPED transition to the resume's STOPPED -> RESTARTING (`fleet up --resume`),
+  summed over its stops (``stopped_spans``). A job still STOPPED has ended: its wall ends
+  at the stop.
+- **start-up**: job creation to the first step's start of attempt 1, plus, per resume
+  after a stop, the resume to the first step's start of the next attempt (Ray, agents,
+  placement, process group, restore again).
 - **detection**, per failed attempt: its last step's end to the incident's detection.
 - **restart**, per failed attempt: its incident's detection to the first step start of a
   later attempt, or to the next incident if that comes first (teardown, placement,
@@ -57,7 +64,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fleet.controlplane.lifecycle import NodeState
+from fleet.controlplane.lifecycle import JobState, NodeState
 from fleet.controlplane.sdc import sdc_section
 from fleet.controlplane.store import (
     ActionRecord,
@@ -70,6 +77,7 @@ from fleet.controlplane.store import (
     SdcCheckRecord,
     StepRecord,
     Store,
+    TransitionRecord,
 )
 from fleet.controlplane.store.records import CKPT_INVALID
 from fleet.proto.kinds import IncidentKind
@@ -91,17 +99,33 @@ def _timeline(steps: Sequence[StepRecord]) -> dict[int, dict[int, tuple[float, f
     return out
 
 
+def stopped_spans(transitions: Sequence[TransitionRecord]) -> list[tuple[float, float]]:
+    """(stopped at, resumed at) in Unix seconds for each stop of the job that a resume
+    ended: a job transition to STOPPED and the STOPPED -> RESTARTING that followed it."""
+    spans: list[tuple[float, float]] = []
+    stopped_at: float | None = None
+    for t in sorted((t for t in transitions if t.entity == "job"), key=lambda t: t.at):
+        if t.to_state == JobState.STOPPED.value:
+            stopped_at = t.at
+        elif t.from_state == JobState.STOPPED.value and stopped_at is not None:
+            spans.append((stopped_at, t.at))
+            stopped_at = None
+    return spans
+
+
 def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequence[StepRecord],
                incidents: Sequence[IncidentRecord], actions: Sequence[ActionRecord],
                checkpoints: Sequence[CheckpointRecord], nodes: Sequence[NodeRecord],
                now: float, recoveries: Sequence[RecoveryRecord] = (),
                progress: Mapping[int, float | None] | None = None, sdc_checks: Sequence[SdcCheckRecord] = (),
-               placements: Mapping[int, Mapping[int, str]] | None = None) -> dict[str, Any]:
+               placements: Mapping[int, Mapping[int, str]] | None = None,
+               transitions: Sequence[TransitionRecord] = ()) -> dict[str, Any]:
     """The report of one job as a JSON-ready dict (see the module docstring).
 
     ``progress``: incident id -> the last progress before it in its attempt (Unix
     seconds, None when there was none), as ``load_report`` reads it from the store;
-    ``sdc_checks``: the job's SDC check rows; ``placements``: attempt -> rank -> node."""
+    ``sdc_checks``: the job's SDC check rows; ``placements``: attempt -> rank -> node;
+    ``transitions``: the job's state changes (its stops and resumes, ``stopped_spans``)."""
     timeline = _timeline(steps)
     numbers = sorted(a.number for a in attempts)
     restored = {a.number: a.restored_step or 0 for a in attempts}
@@ -115,7 +139,9 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
             else:
                 recomputed += end - start
     end_of_job = job.ended_at or now
-    wall = max(end_of_job - job.created_at, 1e-9)
+    pauses = stopped_spans(transitions)
+    stopped = sum(max(b - a, 0.0) for a, b in pauses)
+    wall = max(end_of_job - job.created_at - stopped, 1e-9)
 
     def first_start(n: int) -> float | None:
         t = timeline.get(n)
@@ -130,6 +156,11 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         return max(v[1] for v in t.values()) if t else None
 
     startup = (first_start(numbers[0]) - job.created_at) if numbers and first_start(numbers[0]) else 0.0
+    started_at = {a.number: a.started_at for a in attempts}
+    for _, resumed in pauses:  # a resume starts the job again: its start-up is lost time too
+        nxt = next((m for m in numbers if started_at[m] >= resumed), None)
+        begin = first_start(nxt) if nxt is not None else None
+        startup += max(begin - resumed, 0.0) if begin is not None else 0.0
     # the incident that ended a failed attempt: the one its restart was timed for, else the
     # last one recorded for it that is not of a kind the attempt runs through
     failed = {a.number for a in attempts if a.state.value == "FAILED"}
@@ -141,7 +172,6 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         have = by_attempt.get(i.attempt)
         if have is None or have.id not in recovery_of and (i.id in recovery_of or IncidentKind(i.kind).ends_attempt):
             by_attempt[i.attempt] = i
-    started_at = {a.number: a.started_at for a in attempts}
     detection = restart = 0.0
     out_incidents = []
     for i in incidents:
@@ -191,7 +221,7 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
     return {
         "job": job.id, "name": job.name, "state": job.state.value,
         "final_step": job.steps_completed, "total_steps": job.total_steps,
-        "wall_s": round(wall, 3), "productive_s": round(productive, 3),
+        "wall_s": round(wall, 3), "productive_s": round(productive, 3), "stopped_s": round(stopped, 3),
         # attempts that ran and never reported a step: a program without the step API
         "ettr": None if numbers and not timeline else round(productive / wall, 4),
         "lost_s": {k: round(v, 3) for k, v in lost.items()},
@@ -223,7 +253,7 @@ def load_report(store: Store, job_id: str, now: float) -> dict[str, Any]:
     return job_report(store.get_job(job_id), store.get_attempts(job_id), store.steps(job_id), incidents,
                       store.actions(job_id), store.checkpoints(job_id), store.list_nodes(), now,
                       store.recoveries(job_id), progress=progress, sdc_checks=checks,
-                      placements=sdc_placements(store, job_id, checks))
+                      placements=sdc_placements(store, job_id, checks), transitions=store.transitions(job_id))
 
 
 def sdc_placements(store: Store, job_id: str, checks: Sequence[SdcCheckRecord]) -> dict[int, dict[int, str]]:

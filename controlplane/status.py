@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleet.controlplane.report import stopped_spans
 from fleet.controlplane.store import (
     AttemptRecord,
     CheckpointRecord,
@@ -193,8 +194,8 @@ def build_status(r: StatusRecords, now: float, live: LiveFacts | None = None) ->
 def ettr_so_far(store: Store, job: JobRecord, attempts: Sequence[AttemptRecord], now: float) -> float | None:
     """`fleet report`'s ETTR (``report.job_report``: productive step time / wall, a step's
     time its slowest rank's, steps thrown away by a later attempt's restore not counted),
-    summed in SQL (``Store.kept_step_time``) instead of over every step row in Python; None
-    before the job's first step."""
+    summed in SQL (``Store.kept_step_time``) instead of over every step row in Python, the
+    time it sat stopped left out (``report.stopped_spans``); None before the job's first step."""
     if not job.steps_completed:
         return None
     numbers = sorted(a.number for a in attempts)
@@ -203,7 +204,9 @@ def ettr_so_far(store: Store, job: JobRecord, attempts: Sequence[AttemptRecord],
     for n in numbers:
         kept_up_to = min((restored[m] for m in numbers if m > n), default=None)
         productive += store.kept_step_time(job.id, n, kept_up_to)
-    wall = max((job.ended_at or now) - job.created_at, 1e-9)
+    # time the job sat STOPPED before a resume is not its wall time (as in the report)
+    stopped = sum(b - a for a, b in stopped_spans(store.transitions(job.id)))
+    wall = max((job.ended_at or now) - job.created_at - stopped, 1e-9)
     return round(productive / wall, 4)
 
 

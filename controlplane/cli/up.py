@@ -54,8 +54,9 @@ def up(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show controller logs.")] = False,
     resume: Annotated[
         str, typer.Option("--resume", metavar="JOB",
-                          help="Take over JOB, whose controller died: end what it left running and go on "
-                               "from the newest valid checkpoint.")
+                          help="Take JOB up again: one stopped with `fleet stop`, or one whose controller "
+                               "died (what it left running is ended). It goes on from its newest valid "
+                               "checkpoint under the settings of the file given (--cluster, --set).")
     ] = "",
 ) -> None:
     """Run the job described in a cluster.yaml until it succeeds, fails for good, or is

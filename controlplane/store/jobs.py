@@ -64,17 +64,23 @@ class JobMethods(StoreBase):
         raise FleetError("could not allocate a unique job id")
 
     def set_job_state(self, job_id: str, state: JobState, reason: str = "") -> None:
-        """Move a job to ``state``; ``StateError`` if illegal. Terminal states set ended_at."""
+        """Move a job to ``state``; ``StateError`` if illegal. Terminal states set ended_at;
+        leaving one (a resumed STOPPED job) clears it."""
         with self._tx(write=True) as s:
             job = self._job(s, job_id, lock=True)
             old = JobState(job.state)
             check_transition(old, state)
             now = time.time()
             job.state, job.updated_at, job.reason = state.value, now, reason
-            if state.terminal:
-                job.ended_at = now
+            job.ended_at = now if state.terminal else None
             s.add(Transition(job_id=job_id, attempt=None, entity="job", from_state=old.value,
                              to_state=state.value, reason=reason, at=now))
+
+    def set_job_total_steps(self, job_id: str, total_steps: int) -> None:
+        """Change the steps the job trains to (a resume told another ``job.steps``)."""
+        with self._tx(write=True) as s:
+            job = self._job(s, job_id, lock=True)
+            job.total_steps, job.updated_at = total_steps, time.time()
 
     def set_job_reason(self, job_id: str, reason: str) -> None:
         """Say why the job is where it is (e.g. what it waits for), without a state change."""

@@ -28,6 +28,7 @@ EXPECTED_JOB = {
     (J.PLACING, J.RUNNING), (J.PLACING, J.RESTARTING), (J.PLACING, J.FAILED), (J.PLACING, J.STOPPED),
     (J.RUNNING, J.SUCCEEDED), (J.RUNNING, J.RESTARTING), (J.RUNNING, J.FAILED), (J.RUNNING, J.STOPPED),
     (J.RESTARTING, J.PLACING), (J.RESTARTING, J.FAILED), (J.RESTARTING, J.STOPPED),
+    (J.STOPPED, J.RESTARTING),  # a resume (`fleet up --resume`) of a stopped job
 }
 EXPECTED_ATTEMPT = {
     (A.PLACING, A.RUNNING), (A.PLACING, A.FAILED), (A.PLACING, A.STOPPED),
@@ -75,9 +76,22 @@ def test_self_transitions_are_illegal() -> None:
 
 
 @pytest.mark.parametrize("state", [*JobState, *AttemptState])
-def test_terminal_states_have_no_exits(state) -> None:
+def test_terminal_states_have_no_exits_but_a_stopped_jobs_resume(state) -> None:
     table = JOB_TRANSITIONS if isinstance(state, JobState) else ATTEMPT_TRANSITIONS
-    assert state.terminal == (not table[state])
+    if state is J.STOPPED:  # ended (no controller runs it), yet a resume may take it up again
+        assert state.terminal and state.resumable and table[state] == {J.RESTARTING}
+    else:
+        assert state.terminal == (not table[state])
+        assert not getattr(state, "resumable", False)
+
+
+@pytest.mark.parametrize("state", [J.SUCCEEDED, J.FAILED])
+def test_a_succeeded_or_failed_job_is_not_resumable(state) -> None:
+    assert state.terminal and not state.resumable
+    with pytest.raises(StateError, match=f"{state.value} -> RESTARTING"):
+        check_transition(state, J.RESTARTING)
+    with pytest.raises(StateError, match="STOPPED -> RUNNING"):  # a resume goes through RESTARTING
+        check_transition(J.STOPPED, J.RUNNING)
     if state.terminal:
         for new in type(state):
             with pytest.raises(StateError):
