@@ -230,8 +230,8 @@ def _resume_stopped(store: Store, job: JobRecord, last: int, step: int, steps: i
     changed = f"; job.steps {job.total_steps} -> {steps}" if steps and steps != job.total_steps else ""
     if changed:
         store.set_job_total_steps(job.id, steps)
-    store.set_job_state(job.id, JobState.RESTARTING, reason)
     store.record_action(job.id, last, "resume", f"{reason}; restores {restore}{changed}")
+    store.set_job_state(job.id, JobState.RESTARTING, reason)
     log.warning("job %s %s; restores %s%s", job.id, reason, restore, changed)
     return Takeover(None, restarts, resumed_at=step)
 

@@ -229,7 +229,7 @@ class ActionRecord:
     id: int
     job_id: str
     attempt: int
-    kind: str  # restart | quarantine | release | rollback | stop | inject_fault
+    kind: str  # restart | quarantine | release | rollback | stop | resume | inject_fault
     cause: str
     at: float
 

@@ -6,7 +6,7 @@ import pytest
 
 from fleet.controlplane.cli.render import exit_text
 from fleet.controlplane.lifecycle import AttemptState, JobState
-from fleet.controlplane.report import job_report
+from fleet.controlplane.report import job_report, stopped_spans
 from fleet.controlplane.store import (
     ActionRecord,
     AttemptRecord,
@@ -15,6 +15,7 @@ from fleet.controlplane.store import (
     JobRecord,
     NodeRecord,
     StepRecord,
+    TransitionRecord,
 )
 from fleet.proto.kinds import IncidentKind
 
@@ -50,6 +51,45 @@ def test_a_crash_at_step_15_restored_from_10() -> None:
     assert (out["state"], out["final_step"], out["attempts"], out["restarts"]) == ("SUCCEEDED", 30, 2, 1)
     assert out["quarantined_nodes"] == ["node-0"]  # node-1 was quarantined before this job
     assert out["quarantines"] == ["2 incidents on node-0"]
+
+
+def _moves(*moves: tuple[str | None, str, float]) -> list[TransitionRecord]:
+    return [TransitionRecord("j", None, "job", old, new, "", at) for old, new, at in moves]
+
+
+def test_a_stop_and_resume_is_not_lost_time() -> None:
+    """Attempt 1 trains steps 1..20 and is stopped at 1023; the job sits STOPPED until an
+    operator resumes it at 5023; attempt 2 restores step 20 and trains 21..30."""
+    job = JobRecord(id="j", name="demo", state=JobState.SUCCEEDED, total_steps=30, steps_completed=30,
+                    attempts=2, created_at=1000.0, ended_at=5046.0, reason="", config_json="{}")
+    attempts = [AttemptRecord("j", 1, AttemptState.STOPPED, 1000.5, 1022.5, 0, 20, "stopped by operator"),
+                AttemptRecord("j", 2, AttemptState.SUCCEEDED, 5030.0, 5045.5, 20, 30, "")]
+    steps = [_step(1, k, 1002 + k) for k in range(1, 21)] + [_step(2, k, 5015 + k) for k in range(21, 31)]
+    transitions = _moves((None, "PENDING", 1000.0), ("PENDING", "PLACING", 1000.1), ("PLACING", "RUNNING", 1001.0),
+                         ("RUNNING", "STOPPED", 1023.0), ("STOPPED", "RESTARTING", 5023.0),
+                         ("RESTARTING", "PLACING", 5029.0), ("PLACING", "RUNNING", 5031.0),
+                         ("RUNNING", "SUCCEEDED", 5046.0))
+    actions = [ActionRecord(1, "j", 1, "stop", "stopped by operator bob@vm", 1020.0),
+               ActionRecord(2, "j", 1, "resume", "resumed by operator bob@vm after a stop", 5023.0)]
+    ckpts = [CheckpointRecord("j", 1, 20, "/c/20", "x", 0.5, True, 1022.0)]
+    out = job_report(job, attempts, steps, [], actions, ckpts, [], now=6000.0, transitions=transitions)
+    # wall: 5046 - 1000 less the 4000 s stopped; the resume's start-up (5023 -> step 21's start at
+    # 5035) is lost time like the job's first (1000 -> 1002)
+    assert (out["wall_s"], out["stopped_s"], out["productive_s"], out["ettr"]) == (46.0, 4000.0, 30.0, 0.6522)
+    assert out["lost_s"] == {"startup_s": 14.0, "detection_s": 0.0, "restart_s": 0.0, "recomputed_s": 0.0,
+                             "checkpointing_s": 0.5, "other_s": 1.5}
+    assert (out["restarts"], out["incidents"], out["steps_lost"]) == (0, [], 0)
+    # without the transitions (an older caller) the pause is wall time, as before
+    plain = job_report(job, attempts, steps, [], actions, ckpts, [], now=6000.0)
+    assert (plain["wall_s"], plain["stopped_s"], plain["lost_s"]["startup_s"]) == (4046.0, 0.0, 2.0)
+
+
+def test_stopped_spans_pair_each_stop_with_its_resume() -> None:
+    moves = _moves((None, "PENDING", 0.0), ("RUNNING", "STOPPED", 10.0), ("STOPPED", "RESTARTING", 50.0),
+                   ("RESTARTING", "STOPPED", 51.0), ("STOPPED", "RESTARTING", 60.0), ("RUNNING", "STOPPED", 70.0))
+    moves.insert(2, TransitionRecord("j", 1, "attempt", "RUNNING", "STOPPED", "", 9.5))  # attempts do not count
+    assert stopped_spans(moves) == [(10.0, 50.0), (51.0, 60.0)]  # the last stop was never resumed
+    assert stopped_spans(list(reversed(moves))) == [(10.0, 50.0), (51.0, 60.0)]  # ordered by time
 
 
 def test_a_running_job_with_no_steps_yet() -> None:
