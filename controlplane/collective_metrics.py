@@ -49,7 +49,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from fleet.controlplane.store.ingest import SDC_KINDS, PreparedBatch
+from fleet.proto import events_pb2
 from fleet.proto.flight_record import P2P_SUFFIX
+from fleet.proto.vocab import canonical_op
 
 #: Batches of at most this many events in all wait for ``drain``; later ones are skipped.
 MAX_PENDING_EVENTS = 400_000
@@ -59,8 +61,11 @@ LAG_WINDOW = 32
 #: that died never completes them).
 MAX_OPEN_MATCHES = 8192
 #: Arrival lag is matched on every this-many-th sequence number of each group (a sample:
-#: matching is the one per-row Python step of the fold; the lag is a mean anyway).
+#: matching is the one Python step per row of the fold; the lag is a mean anyway).
 ARRIVAL_SAMPLE = 8
+#: Distinct strings of collective blocks remembered (ops, groups, sizes, ...); past it the
+#: table starts over (codes already given stay valid).
+MAX_NAMES = 4096
 #: Newest steps whose MoE expert loads are summed while their ranks' reports come in.
 MOE_STEPS = 4
 STEP_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -100,6 +105,12 @@ class ArrivalMatcher:
     def add(self, group: str, seq: int, group_size: int, rank: int, enter_ns: int) -> None:
         """One rank's entry into collective ``seq`` of ``group`` (a rank's second row of the
         same collective, e.g. its completion, changes nothing)."""
+        self.add_members(group, seq, group_size, (rank,), (enter_ns,))
+
+    def add_members(self, group: str, seq: int, group_size: int, ranks: Sequence[int],
+                    enter_ns: Sequence[int]) -> None:
+        """Several ranks' entries into collective ``seq`` of ``group`` (``enter_ns[i]`` is
+        ``ranks[i]``'s): one call per collective, not per rank."""
         key = (group, seq)
         if group_size < 2 or key in self._closed or group.endswith(P2P_SUFFIX):
             return
@@ -108,15 +119,17 @@ class ArrivalMatcher:
             if len(self._open) >= self._max_open:
                 del self._open[next(iter(self._open))]
             entry = self._open[key] = (group_size, {})
-        entry[1].setdefault(rank, enter_ns)
-        if len(entry[1]) < entry[0]:
+        members = entry[1]
+        for rank, t in zip(ranks, enter_ns):
+            members.setdefault(rank, t)
+        if len(members) < group_size:
             return
         del self._open[key]
         self._closed[key] = None
         if len(self._closed) > self._max_open:
             del self._closed[next(iter(self._closed))]
         self.matched += 1
-        for r, lag in arrival_lags(entry[1]).items():
+        for r, lag in arrival_lags(members).items():
             window = self._lags.get(r)
             if window is None:
                 window = self._lags[r] = collections.deque(maxlen=self._window)
@@ -209,6 +222,12 @@ class CollectiveMetrics:
         self._inbox_lock = threading.Lock()
         self._pending_events = 0
         self._attempt = 0
+        # names seen in collective blocks, as small codes (each block has its own string table)
+        self._op_codes: dict[str, int] = {}
+        self._op_names: list[str] = []
+        self._group_codes: dict[str, int] = {}
+        self._group_names: list[str] = []
+        self._strings: dict[str, tuple[int, int, int, int]] = {}  # a block string -> its codes
         self._reset()
 
     def _reset(self) -> None:
@@ -252,13 +271,15 @@ class CollectiveMetrics:
         with self._inbox_lock:
             batches, self._inbox = list(self._inbox), collections.deque()
             self._pending_events = 0
+        blocks = []
         for batch in batches:
             if batch.steps:
                 self._steps(batch)
-            if batch.collectives:
-                self._collectives(batch)
+            blocks += batch.collective_blocks
             if batch.sdc:
                 self._sdc(batch.sdc)
+        if blocks:
+            self._collectives(blocks)
         if batches:
             self._publish()
         return len(batches)
@@ -300,63 +321,86 @@ class CollectiveMetrics:
             else:
                 have += tokens
 
-    def _collectives(self, batch: PreparedBatch) -> None:
-        # column-wise: a batch holds thousands of collectives and this runs for all of them
-        cols = batch.collective_columns()
-        job_ids, n = cols["job_id"], len(batch.collectives)
-        keep = None if job_ids.count(self.job_id) == n else np.asarray(job_ids, dtype=object) == self.job_id
-        if keep is not None and not keep.any():
+    def _collectives(self, blocks: list[events_pb2.CollectiveColumns]) -> None:
+        """Fold the drained batches' collectives in, all at once: numpy reads each block's
+        columns (a few ns a value; string columns through a per-block table), then one pass
+        over them all, so the per-call overhead is paid per drain, not per block."""
+        cols = self._columns(blocks)
+        if cols is None:
             return
-        attempts = cols["attempt"]
-        if attempts.count(attempts[0]) == n:   # one attempt, as nearly every batch
-            attempt: Any = attempts[0]
-            newest = attempt
-        else:
-            attempt = np.asarray(attempts, dtype=np.int64)
-            newest = int(attempt.max() if keep is None else attempt[keep].max())
+        attempt, enter, exit_ns, done, estimated, op, group, seq, size, rank = cols
+        newest = int(attempt.max())
         if newest > self._attempt:
             self._new_attempt(newest)
-        enter = np.asarray(cols["enter_ns"], dtype=np.int64)
-        self._durations(cols, enter, keep)
-        # arrival lag from every ARRIVAL_SAMPLE-th collective of each group
-        seq = np.asarray(cols["seq"], dtype=np.int64)
-        sampled = (seq % self._sample == 0) & (attempt == self._attempt)
-        if keep is not None:
-            sampled &= keep
-        picked = np.flatnonzero(sampled)
+        done &= exit_ns > 0
+        if done.any():
+            seconds = np.maximum(exit_ns[done] - enter[done], 0) / 1e9
+            ops, est = op[done], estimated[done]
+            any_estimated = bool(est.any())
+            for code in np.unique(ops).tolist():
+                of_op = ops == code
+                name = self._op_names[code]
+                for timing, picked in (("measured", of_op & ~est if any_estimated else of_op),
+                                       ("poll_upper_bound", of_op & est if any_estimated else None)):
+                    if picked is not None and picked.any():
+                        self.collective_s.observe_many((self.job_id, name, timing), seconds[picked])
+        # arrival lag from every ARRIVAL_SAMPLE-th collective of each group, one matcher call
+        # per collective: the sampled rows sorted by (group, seq), cut where that changes
+        picked = np.flatnonzero((seq % self._sample == 0) & (attempt == self._attempt) & (size >= 2))
         if not len(picked):
             return
-        add, groups, ranks, sizes = self._matcher.add, cols["group"], cols["rank"], cols["group_size"]
-        for i, s, t in zip(picked.tolist(), seq[picked].tolist(), enter[picked].tolist()):
-            add(groups[i], s, sizes[i], ranks[i], t)
+        order = picked[np.lexsort((seq[picked], group[picked]))]
+        g, q = group[order], seq[order]
+        cuts = (np.flatnonzero((np.diff(g) != 0) | (np.diff(q) != 0)) + 1).tolist()
+        ranks, enters = rank[order].tolist(), enter[order].tolist()
+        g_list, q_list, sizes = g.tolist(), q.tolist(), size[order].tolist()
+        add, names = self._matcher.add_members, self._group_names
+        for a, b in zip([0, *cuts], [*cuts, len(order)]):
+            add(names[g_list[a]], q_list[a], sizes[a], ranks[a:b], enters[a:b])
 
-    def _durations(self, cols: dict[str, tuple], enter: np.ndarray, keep: np.ndarray | None) -> None:
-        """Observe enter -> exit of the completed collectives, by op and timing. The tests
-        on whole tuples (``count``, ``in``) run in C and spare the masks in the common case:
-        one job, every row completed, measured, few ops."""
-        states, exits, n = cols["state"], cols["exit_ns"], len(enter)
-        if states.count("completed") == n and None not in exits:
-            done = keep
-            exit_ns = np.asarray(exits, dtype=np.int64)
-        else:
-            done = np.fromiter((st == "completed" and x is not None for st, x in zip(states, exits)), bool, n)
-            if keep is not None:
-                done &= keep
-            exit_ns = np.fromiter((x or 0 for x in exits), np.int64, n)
-        if done is not None and not done.any():
-            return
-        seconds = np.maximum(exit_ns - enter, 0) / 1e9
-        ops, flags = cols["op"], cols["exit_estimated"]
-        names = sorted(set(ops))
-        codes = (np.zeros(n, dtype=np.int64) if len(names) == 1 else
-                 np.fromiter(map({name: i for i, name in enumerate(names)}.__getitem__, ops), np.int64, n))
-        estimated = np.asarray(flags, dtype=bool) if True in flags else None
-        for i, op in enumerate(names):
-            of_op = codes == i if done is None else (codes == i) & done
-            for timing, picked in (("measured", of_op if estimated is None else of_op & ~estimated),
-                                   ("poll_upper_bound", None if estimated is None else of_op & estimated)):
-                if picked is not None and picked.any():
-                    self.collective_s.observe_many((self.job_id, op, timing), seconds[picked])
+    def _columns(self, blocks: list[events_pb2.CollectiveColumns]) -> tuple[np.ndarray, ...] | None:
+        """This job's rows of ``blocks`` as arrays: attempt, enter_ns, exit_ns, completed,
+        exit_estimated, op (a code into ``_op_names``, canonical), group (a code into
+        ``_group_names``), seq, group_size, rank. None without any."""
+        parts: list[tuple[np.ndarray, ...]] = []
+        for block in blocks:
+            strings = list(block.strings)
+            if self.job_id not in strings:
+                continue
+            # a block's string table, as codes: ours? completed? op code, group code
+            table = np.asarray([self._string_codes(text) for text in strings], dtype=np.int64)
+            job = table[np.asarray(block.job_id, dtype=np.int64), 0]
+            part = (np.asarray(block.attempt, dtype=np.int64), np.asarray(block.enter_ns, dtype=np.int64),
+                    np.asarray(block.exit_ns, dtype=np.int64),
+                    table[np.asarray(block.state, dtype=np.int64), 1].astype(bool),
+                    np.asarray(block.exit_estimated, dtype=bool), table[np.asarray(block.op, dtype=np.int64), 2],
+                    table[np.asarray(block.group, dtype=np.int64), 3], np.asarray(block.seq, dtype=np.int64),
+                    np.asarray(block.group_size, dtype=np.int64), np.asarray(block.rank, dtype=np.int64))
+            parts.append(part if job.all() else tuple(c[job.astype(bool)] for c in part))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else tuple(np.concatenate(c) for c in zip(*parts))
+
+    def _string_codes(self, text: str) -> tuple[int, int, int, int]:
+        """(is this job's id, is "completed", op code, group code) of a block's string: each
+        string is looked at once, then looked up (a job has a few ops and groups)."""
+        codes = self._strings.get(text)
+        if codes is None:
+            if len(self._strings) >= MAX_NAMES:
+                self._strings.clear()
+            codes = self._strings[text] = (
+                int(text == self.job_id), int(text == "completed"),
+                self._code(self._op_codes, self._op_names, canonical_op(text)) if text else -1,
+                self._code(self._group_codes, self._group_names, text))
+        return codes
+
+    @staticmethod
+    def _code(codes: dict[str, int], names: list[str], name: str) -> int:
+        code = codes.get(name)
+        if code is None:
+            code = codes[name] = len(names)
+            names.append(name)
+        return code
 
     def _sdc(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:

@@ -56,6 +56,16 @@ def test_matcher_completes_a_collective_once_every_member_entered() -> None:
     assert m.mean_lags() == pytest.approx({0: 0.1, 1: 0.15, 2: 0.1})
 
 
+def test_matcher_takes_a_collective_s_members_at_once() -> None:
+    one_by_one, at_once = ArrivalMatcher(), ArrivalMatcher()
+    for rank, t in ((2, 7_000_000_000), (0, 5_000_000_000), (1, 5_500_000_000)):
+        one_by_one.add("dp", 16, 3, rank, t)
+    at_once.add_members("dp", 16, 3, (2, 0), (7_000_000_000, 5_000_000_000))
+    at_once.add_members("dp", 16, 3, (1, 0), (5_500_000_000, 9_000_000_000))  # rank 0 again: its first stays
+    assert at_once.matched == one_by_one.matched == 1
+    assert at_once.mean_lags() == one_by_one.mean_lags() == {0: 0.0, 1: 0.5, 2: 2.0}
+
+
 def test_matcher_leaves_out_p2p_and_single_member_groups_and_bounds_open_matches() -> None:
     m = ArrivalMatcher(max_open=2)
     m.add("0:p2p", 1, 2, 0, 1)
