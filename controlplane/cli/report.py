@@ -43,8 +43,9 @@ def report(
                       f"them); its {out['wall_s']:.1f} s of wall time by attempt and incident:",
                       highlight=False)
     else:
+        paused = f" (and {out['stopped_s']:.1f} s stopped, not counted)" if out.get("stopped_s") else ""
         console.print(f"ETTR {out['ettr']:.1%}: {out['productive_s']:.1f} s of productive steps in "
-                      f"{out['wall_s']:.1f} s", highlight=False)
+                      f"{out['wall_s']:.1f} s{paused}", highlight=False)
         print_table("lost time", ["category", "seconds", "share of wall"],
                     [[k.removesuffix("_s"), f"{v:.2f}", f"{v / out['wall_s']:.1%}"]
                      for k, v in out["lost_s"].items()])
