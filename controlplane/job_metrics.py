@@ -41,13 +41,13 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from fleet.controlplane.collective_metrics import CollectiveMetrics
-from fleet.controlplane.lifecycle import AttemptState, JobState, NodeState
+from fleet.controlplane.lifecycle import AttemptState, NodeState
 from fleet.controlplane.metrics import ControllerMetrics
 from fleet.controlplane.report import load_report
 from fleet.controlplane.store import AttemptRecord, IncidentRecord, Store
@@ -171,6 +171,9 @@ class JobMetrics:
         self._report_thread: threading.Thread | None = None
         self._closed = False
         self.reports = 0                               # reports read (or failed)
+        #: where the report thread's time goes (``MetricsRefresher`` points it at
+        #: ``ControllerMetrics.add_cost``: fleet_exporter_collect_seconds_total)
+        self.on_cost: Callable[[float], None] = lambda seconds: None
         self._ettr_shown = False
         self.report_s = 0.0                            # the last report's duration
 
@@ -188,10 +191,8 @@ class JobMetrics:
         self.total_steps.labels(job_id).set(job.total_steps)
         if attempts:
             self.current_attempt = attempts[-1].number
-            span = self.store.step_span(job_id, self.current_attempt)
-            self.step.labels(job_id).set(span[1] if span else 0)
-        else:
-            self.step.labels(job_id).set(0)
+        # one index lookup (step_span's three aggregates would scan the attempt's rows)
+        self.step.labels(job_id).set(self.store.last_step(job_id, self.current_attempt) if attempts else 0)
         actions = self.store.actions(job_id)
         restarted = {a.attempt for a in actions if a.kind == "restart"}
         restarts = sum(1 for a in actions if a.kind == "restart")
@@ -226,11 +227,13 @@ class JobMetrics:
                 if self._closed:
                     return
                 now, final = self._report_asked
+            started = time.perf_counter()
             try:
                 self._report(now, final=final)
             except Exception:  # noqa: BLE001 - a store outage must not end the report thread
                 log.warning("metrics: reading the job's report failed", exc_info=True)
                 self._report_due = time.monotonic() + REPORT_COST * max(self.report_s, 1.0)
+            self.on_cost(time.perf_counter() - started)
             with self._report_lock:
                 self._report_asked = None
                 self.reports += 1
@@ -322,6 +325,7 @@ class JobMetrics:
                 if a.number <= i.attempt:
                     continue
                 if a.number not in later_first_end:
+                    # read only until the next attempt has stepped: few rows by then
                     span = self.store.step_span(self.job_id, a.number)
                     later_first_end[a.number] = None if span is None else span[0] / 1e9
                 if later_first_end[a.number] is not None:
@@ -366,6 +370,8 @@ class MetricsRefresher:
         if interval_s <= 0:
             raise ValueError(f"metrics refresh interval must be > 0 s, got {interval_s}")
         self._metrics, self._jobs, self._feed, self._interval_s = metrics, jobs, feed, interval_s
+        if jobs is not None:
+            jobs.on_cost = metrics.add_cost
         self._stop = threading.Event()
         self._failed = False
         self.ticks = 0
