@@ -43,15 +43,13 @@ import collections
 import json
 import math
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
+from fleet.controlplane.metrics import BulkHistogram
 from fleet.controlplane.store.ingest import SDC_KINDS, PreparedBatch
 from fleet.proto import events_pb2
 from fleet.proto.flight_record import P2P_SUFFIX
@@ -142,45 +140,6 @@ class ArrivalMatcher:
     def mean_lags(self) -> dict[int, float]:
         """rank -> mean arrival lag over its last completed matches (seconds)."""
         return {r: sum(w) / len(w) for r, w in self._lags.items() if w}
-
-
-# -- a histogram fed arrays -------------------------------------------------------------------
-
-class BulkHistogram(Collector):
-    """A Prometheus histogram fed whole arrays of observations at once (one numpy pass per
-    array, not a lock and a bucket search per value): for what arrives by the thousand."""
-
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
-                 registry: CollectorRegistry) -> None:
-        self._name, self._doc, self._labelnames = name, documentation, tuple(labelnames)
-        self._bounds = np.asarray(sorted(buckets), dtype=np.float64)
-        self._les = [floatToGoString(b) for b in self._bounds] + ["+Inf"]
-        self._lock = threading.Lock()
-        self._series: dict[tuple[str, ...], list[Any]] = {}  # labels -> [bucket counts, sum]
-        registry.register(self)
-
-    def observe_many(self, labels: Sequence[str], values: Iterable[float] | np.ndarray) -> None:
-        arr = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=np.float64)
-        if not arr.size:
-            return
-        # bucket i counts values <= bound i (Prometheus's "le"); the last is +Inf
-        counts = np.bincount(np.searchsorted(self._bounds, arr, side="left"), minlength=len(self._les))
-        total = float(arr.sum())
-        with self._lock:
-            series = self._series.get(tuple(labels))
-            if series is None:
-                self._series[tuple(labels)] = [counts.astype(np.int64), total]
-            else:
-                series[0] += counts
-                series[1] += total
-
-    def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
-        with self._lock:
-            series = [(k, np.cumsum(v[0]).tolist(), v[1]) for k, v in self._series.items()]
-        for labels, cumulative, total in sorted(series):
-            family.add_metric(list(labels), list(zip(self._les, cumulative)), total)
-        yield family
 
 
 # -- the metrics ----------------------------------------------------------------------------

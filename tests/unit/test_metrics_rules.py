@@ -13,10 +13,11 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from fleet.controlplane import auth
 from fleet.controlplane.agent_server import fan_out
-from fleet.controlplane.collective_metrics import ArrivalMatcher, BulkHistogram, arrival_lags, expert_shares
+from fleet.controlplane.collective_metrics import ArrivalMatcher, arrival_lags, expert_shares
 from fleet.controlplane.config import parse_cluster_yaml
 from fleet.controlplane.errors import ConfigError
 from fleet.controlplane.job_metrics import LOST_CATEGORIES, ending_incident, incident_action, lost_by_category
+from fleet.controlplane.metrics import BulkHistogram
 from fleet.controlplane.store import IncidentRecord
 from fleet.controlplane.store.ingest import PreparedBatch
 from fleet.proto.kinds import IncidentKind
