@@ -11,10 +11,12 @@ connects with.
 
 from __future__ import annotations
 
+import getpass
 import hmac
 import json
 import os
 import secrets
+import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +26,16 @@ from fleet.proto.tls import TlsFiles
 
 def new_token() -> str:
     return secrets.token_urlsafe(32)
+
+
+def operator() -> str:
+    """Who runs this process, as a job's reasons name an operator (a stop, a resume): user@host."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a bare container)
+        user = ""
+    host = socket.gethostname()
+    return f"{user}@{host}" if user else host
 
 
 def tokens_equal(given: str | None, expected: str) -> bool:

@@ -7,11 +7,9 @@ files and store rows; no Ray, no gRPC."""
 
 from __future__ import annotations
 
-import getpass
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -136,22 +134,12 @@ class Takeover:
     resumed_at: int | None = None  # None: a takeover after a controller crash
 
 
-def operator() -> str:
-    """Who runs this process, as a job's reasons name an operator: user@host."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # no name for this uid (a bare container)
-        user = ""
-    host = socket.gethostname()
-    return f"{user}@{host}" if user else host
-
-
 def take_over(store: Store, state_dir: Path, job_id: str, *, checkpoint_dir: Path | None = None,
               steps: int = 0, by: str = "") -> Takeover:
     """Take ``job_id`` up again (`fleet up --resume`): a job whose controller died, or one
     an operator stopped. End what a dead controller left running; after a crash, fail its
     attempt with a controller-crash incident and count a restart; after a stop, record a
-    ``resume`` action by ``by`` (``operator()`` when empty) and move the job STOPPED ->
+    ``resume`` action by ``by`` (``auth.operator()`` when empty) and move the job STOPPED ->
     RESTARTING. Either way the next attempt restores the newest valid checkpoint in the
     job's own folder.
 
@@ -181,7 +169,7 @@ def take_over(store: Store, state_dir: Path, job_id: str, *, checkpoint_dir: Pat
     attempts = store.get_attempts(job_id)
     last = attempts[-1].number if attempts else 0
     if job.state.resumable:
-        return _resume_stopped(store, job, last, newest.step if newest else 0, steps, by or operator(), restarts)
+        return _resume_stopped(store, job, last, newest.step if newest else 0, steps, by or auth.operator(), restarts)
     evidence = (f"the controller of job {job_id} (pid {dead_pid or '?'}) died; "
                 f"taken over by pid {os.getpid()}, {ended} leftover process(es) ended")
     incident_id = store.record_incident(job_id, last, IncidentKind.CONTROLLER_CRASH.value, "resume", evidence,

@@ -11,15 +11,14 @@ reachable, or the stop did not finish within ``--timeout``.
 
 from __future__ import annotations
 
-import getpass
 import json
-import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from fleet.controlplane import auth
 from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StateDirOpt, StoreOpt, open_store, state_dir_of
 from fleet.controlplane.cli.render import console, err_console, fmt_time, print_json, print_table, progress
 from fleet.controlplane.errors import ConfigError, FleetError, NotFoundError, StateError, UnavailableError
@@ -92,7 +91,7 @@ def stop(
             raise _no_controller(source, job, f"the controller {path} names does not accept connections"
                                  if path.exists() else f"no controller is running ({path} does not exist)")
         try:
-            reply = client.stop_job(job, reason.strip(), requested_by=_who())
+            reply = client.stop_job(job, reason.strip(), requested_by=auth.operator())
         except UnavailableError as exc:
             raise _no_controller(source, job, str(exc)) from None
         if no_wait:
@@ -101,16 +100,6 @@ def stop(
         limit_s = timeout if timeout is not None else reply.stop_timeout_s + TEARDOWN_ALLOWANCE_S
         final, gone = _wait_stopped(source, job, t0 + limit_s, limit_s)
     _stopped(final, gone, time.monotonic() - t0, json_out)
-
-
-def _who() -> str:
-    """The operator, as the job's reason names them: user@host."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # no name for this uid (a bare container)
-        user = ""
-    host = socket.gethostname()
-    return f"{user}@{host}" if user else host
 
 
 def _no_controller(source: StatusSource, job: str, why: str) -> FleetError:

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from fleet.controlplane import auth
+from fleet.controlplane.auth import operator
 from fleet.controlplane.chaos import FaultOrder
 from fleet.controlplane.errors import ConfigError, StateError
 from fleet.controlplane.lifecycle import AttemptState, JobState
-from fleet.controlplane.recovery import faults_after, operator, take_over
+from fleet.controlplane.recovery import faults_after, take_over
 from fleet.controlplane.report import load_report
 from fleet.controlplane.status import ettr_so_far
 from fleet.controlplane.store import Store
