@@ -208,14 +208,18 @@ class Controller:
             tls=cfg.controller.tls.server_files(),
         ).start()
         self.address = server.address
-        if self._metrics is not None:
-            self._serve_metrics(self._metrics, feed)
-        tls = cfg.controller.tls
-        auth.write_controller_info(self._state_dir, auth.ControllerInfo(
-            self.address, self._token, self.job_id, os.getpid(),
-            ca_cert=str(tls.ca_cert or ""), client_cert=str(tls.client_cert or ""),
-            client_key=str(tls.client_key or ""), metrics_port=self.metrics_port,
-        ))
+        try:
+            if self._metrics is not None:
+                self._serve_metrics(self._metrics, feed)
+            tls = cfg.controller.tls
+            auth.write_controller_info(self._state_dir, auth.ControllerInfo(
+                self.address, self._token, self.job_id, os.getpid(),
+                ca_cert=str(tls.ca_cert or ""), client_cert=str(tls.client_cert or ""),
+                client_key=str(tls.client_key or ""), metrics_port=self.metrics_port,
+            ))
+        except BaseException:
+            server.close()  # the caller's teardown never got it
+            raise
         return server
 
     def _serve_metrics(self, metrics: ControllerMetrics, feed: CollectiveMetrics | None) -> None:

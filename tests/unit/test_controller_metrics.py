@@ -1,17 +1,20 @@
 """The controller serves its metrics by default and publishes where (controller.json's
 ``metrics_port``, the Prometheus target file), not at all with ``controller.metrics:
-false``, and takes everything down at the end: the real Controller over the in-memory
+false``, fails a job whose fixed metrics port is taken in one line naming the key, and
+takes everything down at the end: the real Controller over the in-memory
 runtime of ``test_controller`` (real agents over gRPC, a real SQLite store)."""
 
 from __future__ import annotations
 
 import json
+import socket
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from fleet.controlplane.controller import Controller, Progress, RunResult
+from fleet.controlplane.errors import UnavailableError
 from fleet.controlplane.lifecycle import JobState
 from fleet.controlplane.store import Store
 from tests.unit.test_controller import STEPS, Outcome, Script, cluster_config, in_memory_runtime
@@ -71,3 +74,17 @@ def test_metrics_false_serves_nothing(tmp_path: Path, store: Store) -> None:
     result, seen = _run(tmp_path, store, metrics=False)
     assert result.state is JobState.SUCCEEDED
     assert seen and all(v["port"] == 0 and v["targets"] is None for v in seen)
+
+
+def test_a_taken_metrics_port_fails_the_job_naming_the_key(tmp_path: Path, store: Store) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UnavailableError) as info:
+            _run(tmp_path, store, metrics_port=port)
+    assert str(info.value).startswith(f"controller.metrics_port: cannot serve metrics on 127.0.0.1:{port}: ")
+    assert "in use" in str(info.value)
+    [job] = store.list_jobs()
+    assert job.state is JobState.FAILED and job.reason == str(info.value)
+    assert not (tmp_path / ".fleet" / "prometheus" / "targets.json").exists()
