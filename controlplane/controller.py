@@ -108,6 +108,8 @@ class Controller:
         self.address = ""
         self.metrics_port = 0  # the /metrics endpoint's port once serving; 0 = none
         self._metrics: ControllerMetrics | None = None
+        self._refresher: MetricsRefresher | None = None
+        self._last_message = ""
         self.timings_s: dict[str, float] = {}
 
     @property
@@ -230,6 +232,7 @@ class Controller:
         refresher = MetricsRefresher(metrics, JobMetrics(metrics.registry, self.store, self.job_id), feed,
                                      cfg.metrics_refresh_interval_s).start()
         metrics.on_close(refresher.close)
+        self._refresher = refresher
         try:
             self.metrics_port = metrics.serve(cfg.host, cfg.metrics_port)
         except OSError as exc:
@@ -295,6 +298,13 @@ class Controller:
     def _progress(self, message: str) -> None:
         if not self.job_id:
             return
+        if message != self._last_message:
+            # what the job does changed (an incident, an attempt's end, a restart, a
+            # quarantine; not the periodic "training"): its metrics follow at once, so an
+            # incident reaches Prometheus with the next scrape, not a refresh later
+            self._last_message = message
+            if self._refresher is not None:
+                self._refresher.wake()
         try:
             job = self.store.get_job(self.job_id)
             attempt = self._job.attempt

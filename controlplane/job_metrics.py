@@ -373,6 +373,7 @@ class MetricsRefresher:
         if jobs is not None:
             jobs.on_cost = metrics.add_cost
         self._stop = threading.Event()
+        self._nudged = threading.Event()  # wake(): refresh now, not at the next interval
         self._failed = False
         self.ticks = 0
         self._thread = threading.Thread(target=self._run, name="fleet-metrics-refresh", daemon=True)
@@ -381,8 +382,14 @@ class MetricsRefresher:
         self._thread.start()
         return self
 
+    def wake(self) -> None:
+        """Refresh now (any thread; returns at once): the job changed (an incident, an
+        attempt's end, a restart), and its metrics should not wait out the interval."""
+        self._nudged.set()
+
     def close(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self._nudged.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         if self._jobs is not None:
@@ -418,5 +425,7 @@ class MetricsRefresher:
                     log.exception("metrics refresh failed (retried every %.1f s)", self._interval_s)
                 else:
                     log.debug("metrics refresh failed again", exc_info=True)
-            if self._stop.wait(self._interval_s):
+            self._nudged.wait(self._interval_s)
+            self._nudged.clear()
+            if self._stop.is_set():
                 return

@@ -369,3 +369,26 @@ def test_target_file_names_the_endpoint_and_goes_at_close(tmp_path: Path) -> Non
     path.write_text(json.dumps([{"targets": ["127.0.0.1:10"], "labels": {}}]))
     other.close()
     assert path.exists()
+
+
+def test_wake_refreshes_at_once_not_at_the_next_interval(store: Store) -> None:
+    """The controller wakes the refresher when the job changes (an incident, a restart):
+    the new incident's count is exported long before the interval (an hour here) is out."""
+    job_id = store.create_job("wake", 10, "{}")
+    attempt = store.create_attempt(job_id)
+    metrics = ControllerMetrics()
+    refresher = MetricsRefresher(metrics, JobMetrics(metrics.registry, store, job_id), None, 3600.0)
+    metrics.on_close(refresher.close)
+    try:
+        refresher.start()
+        wait_for(lambda: refresher.ticks >= 1, "the first refresh", timeout_s=30)
+        assert metrics.value("fleet_incidents_total", job_id=job_id, kind="crash", node="node-0") == 0
+        store.record_incident(job_id, attempt, "crash", "exit", "rank 0 exited 1", rank=0, node="node-0")
+        assert refresher.ticks == 1  # nothing refreshes by itself within the hour
+        refresher.wake()
+        wait_for(lambda: refresher.ticks >= 2, "the woken refresh", timeout_s=30)
+        assert metrics.value("fleet_incidents_total", job_id=job_id, kind="crash", node="node-0") == 1
+    finally:
+        t0 = time.monotonic()
+        metrics.close()
+        assert time.monotonic() - t0 < 10  # close does not wait out the interval either
