@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from fleet.controlplane import auth
 from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StateDirOpt, StoreOpt, open_store, state_dir_of
 from fleet.controlplane.cli.render import console, err_console, fmt_time, print_json, print_table, progress
 from fleet.controlplane.errors import ConfigError, FleetError, NotFoundError, StateError, UnavailableError
@@ -79,6 +78,7 @@ def stop(
 ) -> None:
     """Stop a running job gracefully: its ranks save a checkpoint and leave, then the
     controller tears down; `fleet up` then exits with code 8 (STOPPED)."""
+    from fleet.controlplane.auth import operator  # imports gRPC (TLS): only the stop pays for it
     from fleet.controlplane.cli.status import StatusSource
 
     if timeout is not None and not 0 < timeout <= 86400:
@@ -91,7 +91,7 @@ def stop(
             raise _no_controller(source, job, f"the controller {path} names does not accept connections"
                                  if path.exists() else f"no controller is running ({path} does not exist)")
         try:
-            reply = client.stop_job(job, reason.strip(), requested_by=auth.operator())
+            reply = client.stop_job(job, reason.strip(), requested_by=operator())
         except UnavailableError as exc:
             raise _no_controller(source, job, str(exc)) from None
         if no_wait:
