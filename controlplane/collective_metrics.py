@@ -51,6 +51,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from fleet.controlplane.metrics import BulkHistogram
 from fleet.controlplane.store.ingest import SDC_KINDS, PreparedBatch
+from fleet.controlplane.wavefront import intern
 from fleet.proto import events_pb2
 from fleet.proto.flight_record import P2P_SUFFIX
 from fleet.proto.vocab import canonical_op
@@ -353,17 +354,9 @@ class CollectiveMetrics:
                 self._strings.clear()
             codes = self._strings[text] = (
                 int(text == self.job_id), int(text == "completed"),
-                self._code(self._op_codes, self._op_names, canonical_op(text)) if text else -1,
-                self._code(self._group_codes, self._group_names, text))
+                intern(self._op_codes, self._op_names, canonical_op(text)) if text else -1,
+                intern(self._group_codes, self._group_names, text))
         return codes
-
-    @staticmethod
-    def _code(codes: dict[str, int], names: list[str], name: str) -> int:
-        code = codes.get(name)
-        if code is None:
-            code = codes[name] = len(names)
-            names.append(name)
-        return code
 
     def _sdc(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:

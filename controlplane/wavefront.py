@@ -52,7 +52,7 @@ class FrontVerdict:
     members: dict[str, list[int]] = field(default_factory=dict)  # group -> its members
 
 
-def _intern(index: dict[str, int], names: list[str], name: str) -> int:
+def intern(index: dict[str, int], names: list[str], name: str) -> int:
     """``name``'s number in ``index`` (appended to ``names`` when new)."""
     ix = index.get(name)
     if ix is None:
@@ -100,7 +100,7 @@ class Wavefronts:
         return (gix << 32) | rank
 
     def _group(self, name: str) -> int:
-        return _intern(self._groups, self._group_names, name)
+        return intern(self._groups, self._group_names, name)
 
     def _slot(self, rank: int, group: str, size: int) -> int:
         gix = self._group(group)
@@ -193,7 +193,7 @@ class Wavefronts:
         return rows
 
     def _op(self, name: str) -> int:
-        return _intern(self._ops, self._op_names, name)
+        return intern(self._ops, self._op_names, name)
 
     # -- output -----------------------------------------------------------------------------
 
