@@ -41,7 +41,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -49,7 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from fleet.controlplane.collective_metrics import CollectiveMetrics
 from fleet.controlplane.lifecycle import AttemptState, NodeState
 from fleet.controlplane.metrics import ControllerMetrics
-from fleet.controlplane.report import load_report
+from fleet.controlplane.report import ending_incident, load_report
 from fleet.controlplane.store import AttemptRecord, IncidentRecord, Store
 from fleet.proto.kinds import IncidentKind
 
@@ -83,20 +83,6 @@ RECOVERY_BUCKETS_S = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0
 def lost_by_category(lost_s: Mapping[str, float]) -> dict[str, float]:
     """``fleet report``'s ``lost_s`` under the ``fleet_lost_seconds`` category names."""
     return {LOST_CATEGORIES[key]: float(value) for key, value in lost_s.items() if key in LOST_CATEGORIES}
-
-
-def ending_incident(incidents: Sequence[IncidentRecord], timed: Iterable[int] = ()) -> IncidentRecord | None:
-    """The incident that ended a failed attempt, among ``incidents`` (the attempt's, oldest
-    first), as ``fleet report`` picks it: the first one a restart was timed for (``timed``:
-    incident ids of the job's recovery records), else the last one of a kind that ends an
-    attempt, else the first one; never an observed one."""
-    acted = [i for i in incidents if not i.observed]
-    timed = set(timed)
-    for i in acted:
-        if i.id in timed:
-            return i
-    ending = [i for i in acted if IncidentKind(i.kind).ends_attempt]
-    return ending[-1] if ending else (acted[0] if acted else None)
 
 
 def incident_action(incident: IncidentRecord, *, quarantined_at: float | None, attempt_over: bool,

@@ -61,7 +61,7 @@ wall time by attempt (``number``, ``state``, ``started_at``, ``ended_at``, ``wal
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from fleet.controlplane.lifecycle import JobState, NodeState
@@ -113,6 +113,20 @@ def stopped_spans(transitions: Sequence[TransitionRecord]) -> list[tuple[float, 
     return spans
 
 
+def ending_incident(incidents: Sequence[IncidentRecord], timed: Iterable[int] = ()) -> IncidentRecord | None:
+    """The incident that ended a failed attempt, among ``incidents`` (the attempt's, oldest
+    first): the first one a restart was timed for (``timed``: incident ids of the job's
+    recovery records), else the last one of a kind that ends an attempt, else the first
+    one; never an observed one. `fleet report` and the incident metrics both judge by it."""
+    acted = [i for i in incidents if not i.observed]
+    timed = set(timed)
+    for i in acted:
+        if i.id in timed:
+            return i
+    ending = [i for i in acted if IncidentKind(i.kind).ends_attempt]
+    return ending[-1] if ending else (acted[0] if acted else None)
+
+
 def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequence[StepRecord],
                incidents: Sequence[IncidentRecord], actions: Sequence[ActionRecord],
                checkpoints: Sequence[CheckpointRecord], nodes: Sequence[NodeRecord],
@@ -161,17 +175,13 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         nxt = next((m for m in numbers if started_at[m] >= resumed), None)
         begin = first_start(nxt) if nxt is not None else None
         startup += max(begin - resumed, 0.0) if begin is not None else 0.0
-    # the incident that ended a failed attempt: the one its restart was timed for, else the
-    # last one recorded for it that is not of a kind the attempt runs through
     failed = {a.number for a in attempts if a.state.value == "FAILED"}
     recovery_of = {r.incident_id: r for r in recoveries if r.incident_id is not None}
-    by_attempt: dict[int, IncidentRecord] = {}
+    of_attempt: dict[int, list[IncidentRecord]] = defaultdict(list)
     for i in incidents:
-        if i.attempt not in failed or i.observed:
-            continue
-        have = by_attempt.get(i.attempt)
-        if have is None or have.id not in recovery_of and (i.id in recovery_of or IncidentKind(i.kind).ends_attempt):
-            by_attempt[i.attempt] = i
+        if i.attempt in failed:
+            of_attempt[i.attempt].append(i)
+    by_attempt = {n: ending_incident(incs, recovery_of) for n, incs in of_attempt.items()}
     detection = restart = 0.0
     out_incidents = []
     for i in incidents:
