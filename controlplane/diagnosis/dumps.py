@@ -42,6 +42,7 @@ from typing import Any
 from fleet.controlplane.diagnosis.traces import GroupOps, GroupStatus, RankTrace, SignatureTable, TraceBuilder, TraceSet
 from fleet.controlplane.errors import DumpError
 from fleet.proto.flight_record import dtype_names, entry_op, is_done
+from fleet.proto.kinds import Timing
 from fleet.proto.vocab import split_op
 
 #: Format major versions this reader understands (torch 2.x writes "2.<minor>").
@@ -261,6 +262,7 @@ def _dumped_ns(doc: dict[str, Any], path: Path) -> int:
 
 
 #: The fields every 2.x entry has, read in one C call per entry ...
+_NCCL = Timing.NCCL.wire
 _CORE = itemgetter("process_group", "profiling_name", "input_sizes", "output_sizes", "input_dtypes",
                    "output_dtypes", "time_created_ns", "collective_seq_id")
 #: ... and with the ones that are there in every dump torch 2.4+ writes.
@@ -350,16 +352,19 @@ def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable
                 continue
             if type(exit_ns) is not int:
                 exit_ns = int(exit_ns or 0)
+            # NCCL's device timing (TORCH_NCCL_ENABLE_TIMING=1): the only measured duration a dump has
+            dur = e.get("duration_ms")
+            dur_ns = int(dur * 1e6) if done and type(dur) in (float, int) and dur > 0 else 0
             app = appends.get(group)
             if app is None:
                 ops = groups.get(group)
                 if ops is None:
                     ops = groups[group] = GroupOps()
                 app = appends[group] = (ops.seqs, ops.sigs.append, ops.enter_ns.append, ops.exit_ns.append,
-                                        ops.done.append, ops.delta.append)
+                                        ops.done.append, ops.delta.append, ops.dur_ns.append, ops.timing.append)
             seqs = app[0]
             if seqs and seq <= seqs[-1]:  # coalesced or out of order: the builder's slow path
-                builder.add_collective(group, seq, sig, enter, exit_ns, done, delta)
+                builder.add_collective(group, seq, sig, enter, exit_ns, done, delta, dur_ns, _NCCL if dur_ns else 0)
                 continue
             seqs.append(seq)
             app[1](sig)
@@ -367,6 +372,8 @@ def _convert_entries(builder: TraceBuilder, entries: list, table: SignatureTable
             app[3](exit_ns)
             app[4](done)
             app[5](delta)
+            app[6](dur_ns)
+            app[7](_NCCL if dur_ns else 0)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         e = entries[i]
         if not isinstance(e, dict):

@@ -90,7 +90,10 @@ class GroupOps:
     True once the backend retired the op (for gloo this is also how a timed-out op ends);
     ``delta`` the elements the rank sent minus those it received (non-zero only for an
     all_to_all, whose uneven splits differ per rank while the group's sum must be 0: kept
-    per entry so that the signature need not carry the split).
+    per entry so that the signature need not carry the split); ``dur_ns`` the op's measured
+    duration (0: not measured) and ``timing`` where it comes from (a
+    ``fleet.proto.kinds.Timing`` wire number; 0 = not measured). An estimated exit (gloo's
+    native entries: when a poll first saw the op retired) is never a duration.
     """
 
     seqs: list[int] = field(default_factory=list)
@@ -99,6 +102,8 @@ class GroupOps:
     exit_ns: list[int] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
     delta: list[int] = field(default_factory=list)
+    dur_ns: list[int] = field(default_factory=list)
+    timing: list[int] = field(default_factory=list)
 
     def index(self, seq: int) -> int | None:
         """Position of ``seq`` in the lists, or None."""
@@ -118,6 +123,7 @@ class GroupOps:
         self.enter_ns, self.exit_ns = array("q", self.enter_ns), array("q", self.exit_ns)  # type: ignore[assignment]
         self.done = array("b", self.done)  # type: ignore[assignment]
         self.delta = array("q", self.delta)  # type: ignore[assignment]
+        self.dur_ns, self.timing = array("q", self.dur_ns), array("b", self.timing)  # type: ignore[assignment]
 
     @property
     def consecutive(self) -> bool:
@@ -195,9 +201,11 @@ class TraceBuilder:
             self.trace.group_ranks[group] = members
 
     def add_collective(self, group: str, seq: int, sig: int, enter_ns: int, exit_ns: int, done: bool,
-                       delta: int | None = None) -> None:
-        """Append one collective; a repeated ``seq`` joins the previous one (coalescing).
-        ``delta`` (see ``GroupOps``) defaults to what the signature's sizes say."""
+                       delta: int | None = None, dur_ns: int = 0, timing: int = 0) -> None:
+        """Append one collective; a repeated ``seq`` joins the previous one (coalescing:
+        the group's duration is its longest member's). ``delta`` (see ``GroupOps``)
+        defaults to what the signature's sizes say; ``dur_ns``/``timing``: the measured
+        duration and its source (0: not measured)."""
         if delta is None:
             s = self.table.sigs[sig]
             delta = a2a_delta(s.op, s.input_sizes, s.output_sizes)
@@ -208,12 +216,14 @@ class TraceBuilder:
         if ops.seqs and seq <= ops.seqs[-1]:
             i = ops.index(seq)
             if i is None:  # out of order: rare; keep the lists sorted
-                self._insert(ops, seq, sig, enter_ns, exit_ns, done, delta)
+                self._insert(ops, seq, sig, enter_ns, exit_ns, done, delta, dur_ns, timing)
                 return
             ops.sigs[i] = self.table.merge(ops.sigs[i], sig)
             ops.done[i] = ops.done[i] and done
             ops.exit_ns[i] = max(ops.exit_ns[i], exit_ns) if ops.done[i] else 0
             ops.delta[i] += delta
+            if dur_ns > ops.dur_ns[i]:
+                ops.dur_ns[i], ops.timing[i] = dur_ns, timing
             return
         ops.seqs.append(seq)
         ops.sigs.append(sig)
@@ -221,12 +231,17 @@ class TraceBuilder:
         ops.exit_ns.append(exit_ns)
         ops.done.append(done)
         ops.delta.append(delta)
+        ops.dur_ns.append(dur_ns if dur_ns > 0 else 0)
+        ops.timing.append(timing if dur_ns > 0 else 0)
 
     @staticmethod
-    def _insert(ops: GroupOps, seq: int, sig: int, enter_ns: int, exit_ns: int, done: bool, delta: int) -> None:
+    def _insert(ops: GroupOps, seq: int, sig: int, enter_ns: int, exit_ns: int, done: bool, delta: int,
+                dur_ns: int, timing: int) -> None:
         i = bisect.bisect_left(ops.seqs, seq)
+        measured = dur_ns > 0
         for lst, v in ((ops.seqs, seq), (ops.sigs, sig), (ops.enter_ns, enter_ns),
-                       (ops.exit_ns, exit_ns), (ops.done, done), (ops.delta, delta)):
+                       (ops.exit_ns, exit_ns), (ops.done, done), (ops.delta, delta),
+                       (ops.dur_ns, dur_ns if measured else 0), (ops.timing, timing if measured else 0)):
             lst.insert(i, v)
 
     def add_p2p(self, group: str, kind: str, meta: str, seq: int, sig: int, enter_ns: int, done: bool) -> None:

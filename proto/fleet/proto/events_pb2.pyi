@@ -8,6 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CollectiveTiming(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COLLECTIVE_TIMING_UNSPECIFIED: _ClassVar[CollectiveTiming]
+    COLLECTIVE_TIMING_WRAPPER: _ClassVar[CollectiveTiming]
+    COLLECTIVE_TIMING_NCCL: _ClassVar[CollectiveTiming]
+
 class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FAULT_KIND_UNSPECIFIED: _ClassVar[FaultKind]
@@ -37,6 +43,10 @@ class IncidentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INCIDENT_KIND_NODE_LOSS: _ClassVar[IncidentKind]
     INCIDENT_KIND_CONTROLLER_CRASH: _ClassVar[IncidentKind]
     INCIDENT_KIND_SDC: _ClassVar[IncidentKind]
+    INCIDENT_KIND_SLOW_COMM: _ClassVar[IncidentKind]
+COLLECTIVE_TIMING_UNSPECIFIED: CollectiveTiming
+COLLECTIVE_TIMING_WRAPPER: CollectiveTiming
+COLLECTIVE_TIMING_NCCL: CollectiveTiming
 FAULT_KIND_UNSPECIFIED: FaultKind
 FAULT_KIND_CRASH: FaultKind
 FAULT_KIND_HANG: FaultKind
@@ -61,6 +71,7 @@ INCIDENT_KIND_AGENT_LOSS: IncidentKind
 INCIDENT_KIND_NODE_LOSS: IncidentKind
 INCIDENT_KIND_CONTROLLER_CRASH: IncidentKind
 INCIDENT_KIND_SDC: IncidentKind
+INCIDENT_KIND_SLOW_COMM: IncidentKind
 
 class Shape(_message.Message):
     __slots__ = ("dims",)
@@ -69,7 +80,7 @@ class Shape(_message.Message):
     def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CollectiveEvent(_message.Message):
-    __slots__ = ("job_id", "attempt", "rank", "group", "group_size", "seq", "op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "enter_ns", "exit_ns", "state", "step", "exit_estimated")
+    __slots__ = ("job_id", "attempt", "rank", "group", "group_size", "seq", "op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "enter_ns", "exit_ns", "state", "step", "exit_estimated", "duration_ns", "timing")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +97,8 @@ class CollectiveEvent(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     EXIT_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
     rank: int
@@ -102,7 +115,9 @@ class CollectiveEvent(_message.Message):
     state: str
     step: int
     exit_estimated: bool
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., group: _Optional[str] = ..., group_size: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., input_sizes: _Optional[_Iterable[_Union[Shape, _Mapping]]] = ..., input_dtypes: _Optional[_Iterable[str]] = ..., output_sizes: _Optional[_Iterable[_Union[Shape, _Mapping]]] = ..., output_dtypes: _Optional[_Iterable[str]] = ..., enter_ns: _Optional[int] = ..., exit_ns: _Optional[int] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., exit_estimated: _Optional[bool] = ...) -> None: ...
+    duration_ns: int
+    timing: CollectiveTiming
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., group: _Optional[str] = ..., group_size: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., input_sizes: _Optional[_Iterable[_Union[Shape, _Mapping]]] = ..., input_dtypes: _Optional[_Iterable[str]] = ..., output_sizes: _Optional[_Iterable[_Union[Shape, _Mapping]]] = ..., output_dtypes: _Optional[_Iterable[str]] = ..., enter_ns: _Optional[int] = ..., exit_ns: _Optional[int] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., exit_estimated: _Optional[bool] = ..., duration_ns: _Optional[int] = ..., timing: _Optional[_Union[CollectiveTiming, str]] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
     __slots__ = ("layer", "tokens_per_expert", "min_share", "max_share", "imbalanced")
@@ -235,7 +250,7 @@ class ProcessGroupInfo(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., group: _Optional[str] = ..., desc: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CollectiveColumns(_message.Message):
-    __slots__ = ("strings", "job_id", "attempt", "rank", "group", "group_size", "seq", "op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "enter_ns", "exit_ns", "state", "step", "exit_estimated")
+    __slots__ = ("strings", "job_id", "attempt", "rank", "group", "group_size", "seq", "op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "enter_ns", "exit_ns", "state", "step", "exit_estimated", "duration_ns", "timing")
     STRINGS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +268,8 @@ class CollectiveColumns(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     EXIT_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     strings: _containers.RepeatedScalarFieldContainer[str]
     job_id: _containers.RepeatedScalarFieldContainer[int]
     attempt: _containers.RepeatedScalarFieldContainer[int]
@@ -270,7 +287,9 @@ class CollectiveColumns(_message.Message):
     state: _containers.RepeatedScalarFieldContainer[int]
     step: _containers.RepeatedScalarFieldContainer[int]
     exit_estimated: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, strings: _Optional[_Iterable[str]] = ..., job_id: _Optional[_Iterable[int]] = ..., attempt: _Optional[_Iterable[int]] = ..., rank: _Optional[_Iterable[int]] = ..., group: _Optional[_Iterable[int]] = ..., group_size: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., op: _Optional[_Iterable[int]] = ..., input_sizes: _Optional[_Iterable[int]] = ..., input_dtypes: _Optional[_Iterable[int]] = ..., output_sizes: _Optional[_Iterable[int]] = ..., output_dtypes: _Optional[_Iterable[int]] = ..., enter_ns: _Optional[_Iterable[int]] = ..., exit_ns: _Optional[_Iterable[int]] = ..., state: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., exit_estimated: _Optional[_Iterable[bool]] = ...) -> None: ...
+    duration_ns: _containers.RepeatedScalarFieldContainer[int]
+    timing: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, strings: _Optional[_Iterable[str]] = ..., job_id: _Optional[_Iterable[int]] = ..., attempt: _Optional[_Iterable[int]] = ..., rank: _Optional[_Iterable[int]] = ..., group: _Optional[_Iterable[int]] = ..., group_size: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., op: _Optional[_Iterable[int]] = ..., input_sizes: _Optional[_Iterable[int]] = ..., input_dtypes: _Optional[_Iterable[int]] = ..., output_sizes: _Optional[_Iterable[int]] = ..., output_dtypes: _Optional[_Iterable[int]] = ..., enter_ns: _Optional[_Iterable[int]] = ..., exit_ns: _Optional[_Iterable[int]] = ..., state: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., exit_estimated: _Optional[_Iterable[bool]] = ..., duration_ns: _Optional[_Iterable[int]] = ..., timing: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SdcCheckEvent(_message.Message):
     __slots__ = ("job_id", "attempt", "rank", "node", "step", "kind", "value", "expected", "ok", "detail", "time_ns")

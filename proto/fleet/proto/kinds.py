@@ -1,4 +1,5 @@
-"""The wire contract's vocabularies as Python enums: fault kinds and incident kinds.
+"""The wire contract's vocabularies as Python enums: fault kinds, incident kinds and
+where a collective's duration comes from.
 
 The ``.proto`` enums (``events.proto``: ``FaultKind``, ``IncidentKind``) are the source
 of truth for which kinds exist; this module gives each the spelling users and the store
@@ -112,6 +113,7 @@ class IncidentKind(enum.StrEnum):
     NODE_LOSS = "node_loss"
     CONTROLLER_CRASH = "controller_crash"
     SDC = "sdc"
+    SLOW_COMM = "slow_comm"
 
     @property
     def ends_attempt(self) -> bool:
@@ -145,3 +147,29 @@ _HARDWARE_LIKE = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.
 #: a lost node is back (or gone) by itself; crashes and hangs that recur on one node are its fault.
 #: sdc has its own rule (policy.decide_quarantine): persistent at once, transient on recurrence
 _QUARANTINE_DEFAULT = frozenset({IncidentKind.CRASH, IncidentKind.HANG})
+
+
+class Timing(enum.StrEnum):
+    """Where a collective's measured duration comes from (``events.proto``
+    ``CollectiveTiming``; the store keeps the wire number). Only a measured duration
+    enters bandwidth figures: ``NOT_MEASURED`` ones are shown as such, never estimated."""
+
+    NOT_MEASURED = "not measured"
+    WRAPPER = "wrapper"   # the issuing thread timed the call, or its Work's completion
+    NCCL = "nccl"         # NCCL's device timing (TORCH_NCCL_ENABLE_TIMING=1)
+
+    @property
+    def wire(self) -> int:
+        """The ``events.proto`` ``CollectiveTiming`` number."""
+        return _TIMING_WIRE[self]
+
+    @classmethod
+    def from_wire(cls, number: int) -> Timing:
+        """The timing of a wire number; an unknown one reads as not measured."""
+        return _TIMING_BY_WIRE.get(int(number), cls.NOT_MEASURED)
+
+
+_TIMING_WIRE = {Timing.NOT_MEASURED: events_pb2.COLLECTIVE_TIMING_UNSPECIFIED,
+                Timing.WRAPPER: events_pb2.COLLECTIVE_TIMING_WRAPPER,
+                Timing.NCCL: events_pb2.COLLECTIVE_TIMING_NCCL}
+_TIMING_BY_WIRE = {v: k for k, v in _TIMING_WIRE.items()}
