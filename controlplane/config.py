@@ -645,6 +645,31 @@ class DetectorSettings(_Section):
     )
 
 
+class SlowCommSettings(DetectorSettings):
+    """The slow_comm detector: a process group whose collectives move data well below what
+    its links allow, or whose members persistently arrive late (``controlplane.collective_perf``).
+    Judged over each group's newest ``window`` collectives with a measured duration on every
+    member (gloo: the ones fleet's wrappers time; NCCL: with TORCH_NCCL_ENABLE_TIMING=1)."""
+
+    min_utilization: float = Field(
+        0.5, ge=0, le=1,
+        description="Flag a group whose median bus bandwidth is below this fraction of the slowest link on "
+        "its path (`topology`); 0 = off. Needs link bandwidths in `topology`: without them utilization is "
+        "not known and only skew is judged.",
+    )
+    skew_s: float = Field(
+        0.05, gt=0, le=3600,
+        description="Flag a group whose median arrival skew (first to last member entering a collective) "
+        "is at least this many seconds, with one member last in at least late_share of them (a late rank).",
+    )
+    late_share: float = Field(
+        0.8, gt=0, le=1,
+        description="Share of the window's collectives one member must enter last for skew to blame it.",
+    )
+    window: int = Field(
+        32, ge=4, le=100_000, description="Newest collectives per group judged together.")
+
+
 def _detector(kind: str, what: str) -> Any:
     return Field(default_factory=DetectorSettings, description=f"The {kind} detector: {what}.")
 
@@ -711,6 +736,11 @@ class DetectConfig(_Section):
     agent_loss: DetectorSettings = _detector("agent_loss", "a node's agent silent past "
                                              "controller.heartbeat_timeout_s")
     sdc: DetectorSettings = _detector("sdc", "a transient or ambiguous silent-data-corruption verdict")
+    slow_comm: SlowCommSettings = Field(
+        default_factory=SlowCommSettings,
+        description="The slow_comm detector: a group's collectives below `min_utilization` of its slowest "
+        "link, or a member persistently last (`skew_s`); names the likely cause (a late rank, a slow node, "
+        "a cross-rack group). Recorded; the attempt goes on.")
 
     @model_validator(mode="before")
     @classmethod

@@ -430,7 +430,7 @@ class DetectorAction(enum.StrEnum):
 #: ``detect.<kind>.action`` chooses. Not crash, error, node_loss or controller_crash: a
 #: rank that died or raised (or a lost controller) ends the attempt by itself.
 DETECTOR_KINDS = (IncidentKind.HANG, IncidentKind.DESYNC, IncidentKind.STRAGGLER, IncidentKind.NAN,
-                  IncidentKind.LOSS_SPIKE, IncidentKind.AGENT_LOSS, IncidentKind.SDC)
+                  IncidentKind.LOSS_SPIKE, IncidentKind.AGENT_LOSS, IncidentKind.SDC, IncidentKind.SLOW_COMM)
 #: Detector kinds whose incidents never name a node (the loss is the global mean), so
 #: ``quarantine`` has nothing to act on.
 NO_NODE_KINDS = frozenset({IncidentKind.LOSS_SPIKE})

@@ -13,6 +13,7 @@ class CollectiveTiming(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COLLECTIVE_TIMING_UNSPECIFIED: _ClassVar[CollectiveTiming]
     COLLECTIVE_TIMING_WRAPPER: _ClassVar[CollectiveTiming]
     COLLECTIVE_TIMING_NCCL: _ClassVar[CollectiveTiming]
+    COLLECTIVE_TIMING_ASYNC: _ClassVar[CollectiveTiming]
 
 class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -47,6 +48,7 @@ class IncidentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 COLLECTIVE_TIMING_UNSPECIFIED: CollectiveTiming
 COLLECTIVE_TIMING_WRAPPER: CollectiveTiming
 COLLECTIVE_TIMING_NCCL: CollectiveTiming
+COLLECTIVE_TIMING_ASYNC: CollectiveTiming
 FAULT_KIND_UNSPECIFIED: FaultKind
 FAULT_KIND_CRASH: FaultKind
 FAULT_KIND_HANG: FaultKind

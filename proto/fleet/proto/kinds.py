@@ -155,7 +155,8 @@ class Timing(enum.StrEnum):
     enters bandwidth figures: ``NOT_MEASURED`` ones are shown as such, never estimated."""
 
     NOT_MEASURED = "not measured"
-    WRAPPER = "wrapper"   # the issuing thread timed the call, or its Work's completion
+    WRAPPER = "wrapper"   # a blocking call, timed by the thread that made it: all of it exposed
+    ASYNC = "async"       # an async_op=True call: issue to its Work's completion (may overlap compute)
     NCCL = "nccl"         # NCCL's device timing (TORCH_NCCL_ENABLE_TIMING=1)
 
     @property
@@ -171,5 +172,5 @@ class Timing(enum.StrEnum):
 
 _TIMING_WIRE = {Timing.NOT_MEASURED: events_pb2.COLLECTIVE_TIMING_UNSPECIFIED,
                 Timing.WRAPPER: events_pb2.COLLECTIVE_TIMING_WRAPPER,
-                Timing.NCCL: events_pb2.COLLECTIVE_TIMING_NCCL}
+                Timing.NCCL: events_pb2.COLLECTIVE_TIMING_NCCL, Timing.ASYNC: events_pb2.COLLECTIVE_TIMING_ASYNC}
 _TIMING_BY_WIRE = {v: k for k, v in _TIMING_WIRE.items()}
