@@ -53,7 +53,7 @@ class _Track:
     def __init__(self, job_id: str, attempt: int, rank: int, group: str) -> None:
         self.job_id, self.attempt, self.rank, self.group = job_id, attempt, rank, group
         # seq -> [group_size, op, in_sizes, in_dtypes, out_sizes, out_dtypes, enter_ns, exit_ns, state, step,
-        #         exit_estimated] (the strings as they arrived)
+        #         exit_estimated, duration_ns, timing] (the strings as they arrived)
         self.ring: dict[int, list] = {}
         self.entered_seq = 0
         self.entered_row: list | None = None
@@ -81,13 +81,16 @@ class FrontKeeper:
         s = list(block.strings)
         cap = self._ring_entries
         done = {i for i, text in enumerate(s) if text in _DONE}
+        n = len(block.job_id)
+        durations = block.duration_ns or [0] * n   # an older worker sends none: not measured
+        timings = block.timing or [0] * n
         rows = zip(block.job_id, block.attempt, block.rank, block.group, block.group_size, block.seq, block.op,
                    block.input_sizes, block.input_dtypes, block.output_sizes, block.output_dtypes, block.enter_ns,
-                   block.exit_ns, block.state, block.step, block.exit_estimated)
+                   block.exit_ns, block.state, block.step, block.exit_estimated, durations, timings)
         with self._lock:
             by_job: dict[tuple[int, int], dict[tuple[int, str], _Track] | None] = {}
             dirty = self._dirty
-            for j, a, r, g, gs, seq, op, isz, idt, osz, odt, enter, exit_, st, step, est in rows:
+            for j, a, r, g, gs, seq, op, isz, idt, osz, odt, enter, exit_, st, step, est, dur, tm in rows:
                 tracks = by_job.get((j, a), False)
                 if tracks is False:
                     tracks = by_job[(j, a)] = self._tracks_of(s[j], a)
@@ -101,14 +104,14 @@ class FrontKeeper:
                 kept = ring.get(seq)
                 finished = st in done
                 if kept is None:
-                    kept = [gs, s[op], s[isz], s[idt], s[osz], s[odt], enter, exit_, s[st], step, est]
+                    kept = [gs, s[op], s[isz], s[idt], s[osz], s[odt], enter, exit_, s[st], step, est, dur, tm]
                     if len(ring) < cap:
                         ring[seq] = kept
                     elif seq > next(iter(ring)):   # else: a late row of a seq the ring dropped
                         del ring[next(iter(ring))]
                         ring[seq] = kept
                 elif finished and kept[8] not in _DONE:
-                    kept[7], kept[8], kept[10] = exit_, s[st], est
+                    kept[7], kept[8], kept[10], kept[11], kept[12] = exit_, s[st], est, dur, tm
                 if seq > t.entered_seq:
                     t.entered_seq, t.entered_row = seq, kept
                     dirty.add(t)
@@ -140,7 +143,7 @@ class FrontKeeper:
         return pack(rows)
 
     def _row(self, t: _Track) -> FrontRow:
-        gs, op, isz, idt, osz, odt, enter, _exit, _state, step, _est = t.entered_row
+        gs, op, isz, idt, osz, odt, enter, _exit, _state, step, *_ = t.entered_row
         key = (op, isz, idt, osz, odt)
         sig = self._signatures.get(key)
         if sig is None:
@@ -189,12 +192,14 @@ def _block(rows: Iterable[tuple[_Track, int, list]]) -> events_pb2.CollectiveCol
 
     cols: dict[str, list] = {name: [] for name in (
         "job_id", "attempt", "rank", "group", "group_size", "seq", "op", "input_sizes", "input_dtypes",
-        "output_sizes", "output_dtypes", "enter_ns", "exit_ns", "state", "step", "exit_estimated")}
-    for t, seq, (gs, op, isz, idt, osz, odt, enter, exit_, state, step, est) in rows:
+        "output_sizes", "output_dtypes", "enter_ns", "exit_ns", "state", "step", "exit_estimated",
+        "duration_ns", "timing")}
+    for t, seq, (gs, op, isz, idt, osz, odt, enter, exit_, state, step, est, dur, tm) in rows:
         for name, value in (("job_id", ix(t.job_id)), ("attempt", t.attempt), ("rank", t.rank),
                             ("group", ix(t.group)), ("group_size", gs), ("seq", seq), ("op", ix(op)),
                             ("input_sizes", ix(isz)), ("input_dtypes", ix(idt)), ("output_sizes", ix(osz)),
                             ("output_dtypes", ix(odt)), ("enter_ns", enter), ("exit_ns", exit_),
-                            ("state", ix(state)), ("step", step), ("exit_estimated", est)):
+                            ("state", ix(state)), ("step", step), ("exit_estimated", est),
+                            ("duration_ns", dur), ("timing", tm)):
             cols[name].append(value)
     return events_pb2.CollectiveColumns(strings=list(strings), **cols)

@@ -21,11 +21,16 @@ How the two sources merge (native entries are the source of truth):
     with the dump reader; the op is shipped as the backend names it (without the
     ``gloo:`` prefix) and made canonical where it enters the store.
   * gloo records no completion time (``state`` stays ``scheduled``; ``retired`` is the
-    completion signal). For ops issued through ``FlightRecorder``'s wrappers
-    (workers/recorder.py), ``timed`` records the wrapper's measured (enter, exit) window
-    and the exit time is attached by matching group and ``enter <= time_created_ns <=
-    exit``; for every other op the exit time is when the tail first saw it retired (at
-    most one poll late) and the event says ``exit_estimated``.
+    completion signal). For ops issued through ``torch.distributed``'s Python functions,
+    ``workers.collective_timing`` (installed by the tail) reports the call's measured
+    window to ``timed`` -- a blocking call's return, an async op's Work completion --
+    and the entry takes the window of its group issued last before ``time_created_ns``:
+    its exit time, ``duration_ns`` and ``timing``. A retired entry whose async window is
+    still open waits for it (``PENDING_NS`` at most). For every other op the exit time is
+    when the tail first saw it retired (at most one poll late), the event says
+    ``exit_estimated`` and has no duration.
+  * NCCL with ``TORCH_NCCL_ENABLE_TIMING=1``: the entry's ``duration_ms`` (device
+    timing) is the duration (``timing`` nccl), its ``time_discovered_completed_ns`` the exit.
   * the training step of an entry is the step whose start preceded ``time_created_ns``
     (``step_started``).
   * entries recorded before the tail was created (an earlier process group in the
@@ -80,10 +85,16 @@ import torch.distributed as dist
 
 from fleet.proto import events_pb2
 from fleet.proto.flight_record import dtype_names, entry_done, entry_seq, p2p_group
+from fleet.proto.kinds import Timing
+from fleet.workers import collective_timing
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[events_pb2.Event], None]
+
+_WRAPPER, _ASYNC, _NCCL = Timing.WRAPPER.wire, Timing.ASYNC.wire, Timing.NCCL.wire
+#: How long a retired entry waits for its async op's completion callback (ns).
+PENDING_NS = 1_000_000_000
 
 #: The final read waits up to this many times this long for open entries to retire.
 _FINAL_RETRIES, _FINAL_RETRY_S = 5, 0.02
@@ -184,8 +195,11 @@ class NativeFlightTail:
         self._enqueued_at_dump = 0     # sum of the groups' enqueue counters then
         self._last_dump = 0.0          # monotonic seconds
         self._step_starts: list[tuple[int, int]] = []  # (start_ns, step), ascending
-        self._windows: dict[str, collections.deque[tuple[int, int]]] = collections.defaultdict(
+        # per group, in issue order: [enter_ns, exit_ns (0 while an async op runs), Timing wire]
+        self._windows: dict[str, collections.deque[list[int]]] = collections.defaultdict(
             lambda: collections.deque(maxlen=4096))
+        self._pending_since: dict[int, int] = {}  # record id -> when first seen retired, window open
+        collective_timing.install(self.timed)
         self._groups: dict[str, tuple[int, events_pb2.Event | None]] = {}  # name -> (size, info)
         self._templates: dict[tuple, events_pb2.Event] = {}
         self._members: dict[str, tuple[list[int], str]] = {}  # live groups seen: (ranks, desc)
@@ -204,9 +218,16 @@ class NativeFlightTail:
         if len(self._step_starts) > 100_000:
             del self._step_starts[:50_000]
 
-    def timed(self, group: str, enter_ns: int, exit_ns: int) -> None:
-        """Precise timing of one op issued by a Python wrapper on ``group``."""
-        self._windows[group].append((enter_ns, exit_ns))
+    def timed(self, group: str, enter_ns: int, exit_ns: int, timing: int = _WRAPPER) -> None:
+        """The measured window of one op issued on ``group`` (``workers.collective_timing``;
+        any thread). An async op reports twice: at issue with ``exit_ns`` 0, then done."""
+        windows = self._windows[group]
+        if exit_ns and timing == _ASYNC:
+            for w in reversed(windows):  # its issue is recent: a short scan from the end
+                if w[0] == enter_ns and w[1] == 0:
+                    w[1] = exit_ns
+                    return
+        windows.append([enter_ns, exit_ns, timing])
 
     # -- called by the reporter thread ---------------------------------------------------
 
@@ -303,8 +324,9 @@ class NativeFlightTail:
             started = self._open.pop(rid, None)
             done = entry_done(e)
             if started is not None:
-                if done:
-                    self.sink(self._finished(started, now_ns))
+                finished = self._finished(started, now_ns, e, rid) if done else None
+                if finished is not None:
+                    self.sink(finished)
                     emitted += 1
                 else:
                     self._open[rid] = started
@@ -316,8 +338,9 @@ class NativeFlightTail:
             if event is None:
                 continue
             self.collectives += 1
-            if done:
-                self.sink(self._finished(event, now_ns))
+            finished = self._finished(event, now_ns, e, rid) if done else None
+            if finished is not None:
+                self.sink(finished)
             else:
                 event.collective.state = "started"
                 self.sink(event)
@@ -327,31 +350,61 @@ class NativeFlightTail:
         self.shipped += emitted
         return self.shipped - shipped_before
 
-    def _finished(self, started: events_pb2.Event, now_ns: int) -> events_pb2.Event:
-        """The completion of ``started`` (a new message when ``started`` was shipped)."""
+    def _finished(self, started: events_pb2.Event, now_ns: int, entry: dict[str, Any] | None = None,
+                  rid: int = -1) -> events_pb2.Event | None:
+        """The completion of ``started`` (a new message when ``started`` was shipped), with
+        its measured duration: NCCL's device timing (the entry's ``duration_ms``), else the
+        window a wrapper timed. None while the op's async window is still open (its Work's
+        completion callback has not run yet; ``PENDING_S`` at most, then not measured)."""
         c = started.collective
+        nccl_ms = entry.get("duration_ms") if entry is not None else None
+        window = None
+        if not nccl_ms:
+            window = self._window(c.group, c.enter_ns)
+            if window is not None and window[1] == 0:
+                since = self._pending_since.setdefault(rid, now_ns)
+                if now_ns - since < PENDING_NS and rid >= 0:
+                    return None
+                window = None
+        self._pending_since.pop(rid, None)
         if c.state == "started":
             done = events_pb2.Event()
             done.CopyFrom(started)
             c = done.collective
         else:
             done = started
-        exit_ns = self._measured_exit(c.group, c.enter_ns)
-        if exit_ns is None:
-            exit_ns, c.exit_estimated = max(now_ns, c.enter_ns), True
-        c.exit_ns = exit_ns
+        if nccl_ms and isinstance(nccl_ms, (int, float)) and nccl_ms > 0:
+            c.duration_ns, c.timing = int(nccl_ms * 1e6), _NCCL
+            found = entry.get("time_discovered_completed_ns") if entry is not None else None
+            if found:
+                c.exit_ns = max(int(found), c.enter_ns)
+            else:
+                c.exit_ns, c.exit_estimated = max(now_ns, c.enter_ns), True
+        elif window is not None:
+            c.exit_ns, c.duration_ns, c.timing = window[1], window[1] - window[0], window[2]
+        else:
+            c.exit_ns, c.exit_estimated = max(now_ns, c.enter_ns), True
         c.state = "completed"
         return done
 
-    def _measured_exit(self, group: str, created_ns: int) -> int | None:
+    def _window(self, group: str, created_ns: int) -> list[int] | None:
+        """The timed window that contains an entry created at ``created_ns`` (its exit 0
+        while an async op runs), or None."""
         windows = self._windows.get(group)
         if not windows:
             return None
         # windows are in issue order; drop those that ended before this entry was created
-        while windows and windows[0][1] < created_ns:
+        while windows and 0 < windows[0][1] < created_ns:
             windows.popleft()
-        if windows and windows[0][0] <= created_ns <= windows[0][1]:
-            return windows[0][1]
+        # the op's own window is the newest issued before its entry was created (the
+        # wrapper's clock read precedes the backend's by microseconds)
+        found = None
+        for w in windows:
+            if w[0] > created_ns:
+                break
+            found = w
+        if found is not None and (found[1] == 0 or created_ns <= found[1]):
+            return found
         return None
 
     def _convert(self, e: dict[str, Any]) -> events_pb2.Event | None:

@@ -3,8 +3,8 @@
 ``FlightRecorder`` wraps the ``torch.distributed`` collectives the training loop itself
 issues. With a ``NativeFlightTail`` attached (the default in training; see
 workers/native_fr.py) PyTorch's native recorder is the source of truth for *every*
-collective, FSDP's and DCP's included, and the wrappers only contribute precise exit
-times. Without one (a torch build without the native recorder), each wrapped call
+collective, FSDP's and DCP's included, and these calls are timed like every other
+``torch.distributed`` call (``workers.collective_timing``). Without one (a torch build without the native recorder), each wrapped call
 emits two ``CollectiveEvent``s through ``sink``: ``state="started"`` at entry (with
 ``exit_ns = 0``) and ``"completed"`` or ``"failed"`` at exit, both carrying the same
 sequence number. Emitting at entry is the point: when a collective hangs, the agent
@@ -34,8 +34,9 @@ from fleet.workers.native_fr import NativeFlightTail
 Sink = Callable[[events_pb2.Event], None]
 
 # Renamed in recent torch; prefer the new name so no deprecation warning fires per step.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up at each call: ``workers.collective_timing`` replaces the module's functions.
+_ALL_GATHER_SINGLE = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_REDUCE_SCATTER_SINGLE = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -92,14 +93,14 @@ class FlightRecorder:
                                group: dist.ProcessGroup | None = None) -> None:
         """Gather ``input`` from every rank into ``output`` (``group_size`` times larger), recorded."""
         self._run("all_gather_into_tensor", group, (input,), (output,),
-                  lambda: _all_gather_single(output, input, group=group))
+                  lambda: getattr(dist, _ALL_GATHER_SINGLE)(output, input, group=group))
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
                               op: ReduceOp.RedOpType = ReduceOp.SUM,
                               group: dist.ProcessGroup | None = None) -> None:
         """Reduce ``input`` across ranks and keep this rank's shard in ``output``, recorded."""
         self._run("reduce_scatter_tensor", group, (input,), (output,),
-                  lambda: _reduce_scatter_single(output, input, op=op, group=group))
+                  lambda: getattr(dist, _REDUCE_SCATTER_SINGLE)(output, input, op=op, group=group))
 
     def all_gather(self, outputs: list[torch.Tensor], input: torch.Tensor,
                    group: dist.ProcessGroup | None = None) -> None:
@@ -121,12 +122,8 @@ class FlightRecorder:
     def _run(self, op: str, group: dist.ProcessGroup | None, inputs: Sequence[torch.Tensor],
              outputs: Sequence[torch.Tensor], call: Callable[[], object]) -> None:
         name, size = self._info(group)
-        if self.tail is not None:
-            enter_ns = time.time_ns()
-            try:
-                call()
-            finally:
-                self.tail.timed(name, enter_ns, time.time_ns())
+        if self.tail is not None:  # the native entry is the record; collective_timing times the call
+            call()
             return
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq

@@ -55,6 +55,10 @@ class StoredCollective(Protocol):
     @property
     def exit_estimated(self) -> bool: ...
     @property
+    def duration_ns(self) -> int | None: ...
+    @property
+    def timing(self) -> int: ...
+    @property
     def state(self) -> str: ...
 
 
@@ -144,7 +148,8 @@ def attempt_traces(source: TraceSource, job_id: str, attempt: int,
         if op in P2P_OPS:
             b.add_p2p(c.group, op, meta, c.seq, sig, c.enter_ns, done)
         else:
-            b.add_collective(c.group, c.seq, sig, c.enter_ns, 0 if c.exit_estimated else (c.exit_ns or 0), done)
+            b.add_collective(c.group, c.seq, sig, c.enter_ns, 0 if c.exit_estimated else (c.exit_ns or 0), done,
+                             dur_ns=c.duration_ns or 0, timing=c.timing)
     ranks = {r: b.finish() for r, b in builders.items()}
     for r in source.ranks(job_id, attempt) if only is None else ():
         ranks.setdefault(r.rank, builder(r.rank).finish())

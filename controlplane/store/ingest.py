@@ -82,10 +82,10 @@ STATE_LEN = 16
 COLLECTIVE_COLUMNS = (
     "job_id", "attempt", "rank", "group_name", "seq", "group_size", "op", "input_sizes",
     "input_dtypes", "output_sizes", "output_dtypes", "enter_ns", "exit_ns", "state",
-    "exit_estimated", "step",
+    "exit_estimated", "step", "duration_ns", "timing",
 )
 _KEY = ("job_id", "attempt", "rank", "group_name", "seq")
-_ON_COMPLETION = ("exit_ns", "state", "exit_estimated")
+_ON_COMPLETION = ("exit_ns", "state", "exit_estimated", "duration_ns", "timing")
 
 
 class InvalidBatch(FleetError):
@@ -168,12 +168,18 @@ _INDEX_COLUMNS = ("job_id", "group", "op", "input_sizes", "input_dtypes", "outpu
                   "output_dtypes", "state")
 _VALUE_COLUMNS = ("attempt", "rank", "group_size", "seq", "enter_ns", "exit_ns", "step",
                   "exit_estimated")
+_OPTIONAL_COLUMNS = ("duration_ns", "timing")
+_TIMING_MAX = max(events_pb2.CollectiveTiming.values())
 _LIMITS = {"job_id": JOB_ID_LEN, "group": NAME_LEN, "op": OP_LEN, "state": STATE_LEN}
 
 
 def _column_rows(block: events_pb2.CollectiveColumns) -> list[tuple]:
     """Validate a columns block and return its rows (table column order)."""
     n = len(block.job_id)
+    for name in _OPTIONAL_COLUMNS:  # an agent older than the column sends none: not measured
+        if len(getattr(block, name)) not in (0, n):
+            raise InvalidBatch(f"collectives.{name} has {len(getattr(block, name))} values, "
+                               f"collectives.job_id has {n}")
     for name in _INDEX_COLUMNS + _VALUE_COLUMNS:
         if len(getattr(block, name)) != n:
             raise InvalidBatch(f"collectives.{name} has {len(getattr(block, name))} values, "
@@ -209,14 +215,33 @@ def _column_rows(block: events_pb2.CollectiveColumns) -> list[tuple]:
         elif name in ("input_dtypes", "output_dtypes"):
             for text in values:
                 _check_json(text, name, _VALID_DTYPES)
+    durations, timings = _durations(block, n)
     get = strings.__getitem__
     return list(zip(
         map(get, block.job_id), block.attempt, block.rank, map(get, block.group), block.seq,
         block.group_size, map(ops.__getitem__, block.op), map(get, block.input_sizes),
         map(get, block.input_dtypes), map(get, block.output_sizes), map(get, block.output_dtypes),
         block.enter_ns, [x or None for x in block.exit_ns], map(get, block.state),
-        block.exit_estimated, block.step,
+        block.exit_estimated, block.step, durations, timings,
     ))
+
+
+def _durations(block: events_pb2.CollectiveColumns, n: int) -> tuple[Sequence[int | None], Sequence[int]]:
+    """The block's measured durations (None: not measured) and their timing numbers,
+    checked: a duration without a known source, or a negative one, is refused."""
+    if not len(block.duration_ns):
+        return [None] * n, [0] * n
+    dur = np.asarray(block.duration_ns, dtype=np.int64)
+    timing = np.asarray(block.timing, dtype=np.int64) if len(block.timing) else np.zeros(n, np.int64)
+    if (dur < 0).any():
+        raise InvalidBatch("collectives.duration_ns: a negative duration")
+    if ((timing < 0) | (timing > _TIMING_MAX)).any():
+        raise InvalidBatch(f"collectives.timing: a value outside 0..{_TIMING_MAX}")
+    measured = (dur > 0) & (timing > 0)
+    if not measured.any():
+        return [None] * n, [0] * n
+    return ([int(d) if m else None for d, m in zip(dur.tolist(), measured.tolist())],
+            np.where(measured, timing, 0).tolist())
 
 
 def _check_fronts(block: events_pb2.CollectiveFronts) -> None:

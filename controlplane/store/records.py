@@ -109,6 +109,8 @@ class CollectiveRecord:
     state: str  # "started" | "completed" | "failed"
     step: int
     exit_estimated: bool = False  # exit_ns observed by the recorder's poll, not measured
+    duration_ns: int | None = None  # measured duration; None = not measured
+    timing: int = 0                 # fleet.proto.kinds.Timing wire number of duration_ns
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,9 @@ class CollectiveSummary:
     completed: int
     last_completed_seq: int | None
     ops: Mapping[str, int]  # op -> count
-    mean_duration_ms: float | None  # over completed ops; None if none completed
+    mean_duration_ms: float | None  # over the ops with a measured duration; None if none
+    measured: int = 0                # ops with a measured duration
+    timings: tuple[str, ...] = ()    # where those durations come from (fleet.proto.kinds.Timing values)
 
 
 @dataclass(frozen=True)
@@ -319,6 +323,8 @@ class CollectiveRow(NamedTuple):
     state: str  # "started" | "completed" | "failed"
     exit_estimated: bool
     step: int
+    duration_ns: int | None = None  # measured; None = not measured (never exit - enter)
+    timing: int = 0                 # fleet.proto.kinds.Timing wire number of duration_ns
 
 
 class StatusRow(NamedTuple):

@@ -23,6 +23,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    SmallInteger,
     String,
     Text,
     UniqueConstraint,
@@ -172,6 +173,8 @@ class Collective(Base):
     state: Mapped[str] = mapped_column(String(16))  # "started" | "completed" | "failed"
     exit_estimated: Mapped[bool] = mapped_column(Boolean, default=False)
     step: Mapped[int] = mapped_column(BigInteger)
+    duration_ns: Mapped[int | None] = mapped_column(BigInteger)  # measured; NULL = not measured
+    timing: Mapped[int | None] = mapped_column(SmallInteger)     # fleet.proto.kinds.Timing wire number
 
 
 class CollectiveFront(Base):

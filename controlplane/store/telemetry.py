@@ -43,6 +43,7 @@ from fleet.controlplane.store.schema import (
     WorkerStatusRow,
 )
 from fleet.proto import events_pb2
+from fleet.proto.kinds import Timing
 from fleet.proto.fronts import FrontRow
 
 SDC_KINDS = ingest.SDC_KINDS
@@ -57,7 +58,8 @@ def _collective_record(r: Any) -> CollectiveRecord:
         input_sizes=_sizes(r.input_sizes), input_dtypes=tuple(json.loads(r.input_dtypes)),
         output_sizes=_sizes(r.output_sizes), output_dtypes=tuple(json.loads(r.output_dtypes)),
         enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
-        exit_estimated=bool(r.exit_estimated))
+        exit_estimated=bool(r.exit_estimated), duration_ns=r.duration_ns or None,
+        timing=(r.timing or 0) if r.duration_ns else 0)
 
 
 def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
@@ -248,23 +250,32 @@ class TelemetryMethods(StoreBase):
         where: list[Any] = [c.job_id == job_id]
         if attempt is not None:
             where.append(c.attempt == attempt)
+        # only measured durations: an estimated exit (gloo's native entries) is when a poll
+        # saw the op done, not when it finished, so exit - enter is no duration
+        measured = done & (c.duration_ns > 0)
         agg = (select(*keys, func.count(), func.min(c.seq), func.max(c.seq),
                       func.sum(case((done, 1), else_=0)),
                       func.max(case((done, c.seq))),
-                      func.avg(case((done & c.exit_ns.is_not(None), c.exit_ns - c.enter_ns))))
+                      func.avg(case((measured, c.duration_ns))),
+                      func.sum(case((measured, 1), else_=0)))
                .where(*where).group_by(*keys).order_by(*keys))
         per_op = select(*keys, c.op, func.count()).where(*where).group_by(*keys, c.op)
+        sources = select(*keys, c.timing).where(*where, measured).group_by(*keys, c.timing)
         with self._tx(write=False) as s:
             ops: dict[tuple, dict[str, int]] = {}
             for a, r, g, op, n in s.execute(per_op):
                 ops.setdefault((a, r, g), {})[op] = n
+            timings: dict[tuple, list[str]] = {}
+            for a, r, g, t in s.execute(sources):
+                timings.setdefault((a, r, g), []).append(Timing.from_wire(t or 0).value)
             out = []
-            for a, r, g, n, first, last, completed, last_done, mean_ns in s.execute(agg):
+            for a, r, g, n, first, last, completed, last_done, mean_ns, n_measured in s.execute(agg):
                 out.append(CollectiveSummary(
                     attempt=a, rank=r, group=g, count=n, first_seq=first, last_seq=last,
                     consecutive=n == last - first + 1, completed=int(completed or 0),
                     last_completed_seq=last_done, ops=ops.get((a, r, g), {}),
                     mean_duration_ms=None if mean_ns is None else float(mean_ns) / 1e6,
+                    measured=int(n_measured or 0), timings=tuple(sorted(timings.get((a, r, g), ()))),
                 ))
             return out
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fleet.proto import events_pb2
+from fleet.proto.kinds import Timing
 from tests.unit.test_workers_support import AgentServer, run_ranks
 from fleet.workers.flight import FlightRecorderError, record_collectives
 from fleet.workers.native_fr import NativeFlightTail
@@ -185,5 +186,7 @@ def test_tail_reads_only_when_due_and_counts_overwritten_entries():
     assert list(events[0].group.ranks) == [0] and events[0].group.desc == "default_pg"
     seqs = [e.collective.seq for e in events[1:]]
     assert seqs == list(range(1, 15)) + list(range(39, 55))  # 15..38 were overwritten
-    assert all(e.collective.state == "completed" and e.collective.exit_estimated for e in events[1:])
+    # every one issued through torch.distributed's functions: timed (workers.collective_timing)
+    assert all(e.collective.state == "completed" and not e.collective.exit_estimated
+               and e.collective.timing == Timing.WRAPPER.wire and e.collective.duration_ns > 0 for e in events[1:])
     assert all((e.collective.job_id, e.collective.attempt) == ("job", 3) for e in events[1:])

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fleet.proto import events_pb2
+from fleet.proto.kinds import Timing
 from tests.unit.test_workers_support import run_ranks
 from fleet.workers.native_fr import NativeFlightTail
 from fleet.workers.recorder import FlightRecorder
@@ -94,8 +95,12 @@ def _merged(rank: int, world_size: int, port: int) -> list[bytes]:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         rec.set_step(7)
-        rec.all_reduce(torch.ones(3))                 # wrapped: measured exit time
-        dist.broadcast(torch.ones(2), src=0)          # not wrapped: exit when seen retired
+        rec.all_reduce(torch.ones(3))                 # the recorder's wrapper: a blocking call
+        dist.broadcast(torch.ones(2), src=0)          # a plain torch.distributed call: timed too
+        work = dist.all_reduce(torch.ones(5), async_op=True)
+        work.wait()                                   # async: issue to the Work's completion
+        # the process group's own method, as DDP's C++ reducer reaches it: no Python call to time
+        dist.distributed_c10d._get_default_group().broadcast([torch.ones(1)]).wait()
         time.sleep(0.05)
         tail.poll(force=True)
     finally:
@@ -103,11 +108,15 @@ def _merged(rank: int, world_size: int, port: int) -> list[bytes]:
     return [e.SerializeToString() for e in events]
 
 
-def test_native_entries_take_the_wrappers_exit_times():
+def test_native_entries_take_the_timed_windows():
     events = [events_pb2.Event.FromString(b) for b in run_ranks(_merged, 1)[0]]
-    assert [e.WhichOneof("kind") for e in events] == ["group", "collective", "collective"]
-    wrapped, raw = (e.collective for e in events[1:])
+    assert [e.WhichOneof("kind") for e in events] == ["group"] + ["collective"] * 4
+    wrapped, plain, async_, raw = (e.collective for e in events[1:])
     assert (wrapped.op, wrapped.seq, wrapped.step, wrapped.state) == ("all_reduce", 1, 7, "completed")
-    assert not wrapped.exit_estimated and wrapped.exit_ns >= wrapped.enter_ns
-    assert (raw.op, raw.seq, raw.step, raw.state) == ("broadcast", 2, 7, "completed")
-    assert raw.exit_estimated and raw.exit_ns >= wrapped.exit_ns
+    assert [(c.op, c.seq) for c in (plain, async_, raw)] == [("broadcast", 2), ("all_reduce", 3), ("broadcast", 4)]
+    for c, timing in ((wrapped, Timing.WRAPPER), (plain, Timing.WRAPPER), (async_, Timing.ASYNC)):
+        assert not c.exit_estimated and c.timing == timing.wire, c
+        # the window opened before the backend created the entry, and closed at the exit
+        assert 0 < c.duration_ns and c.exit_ns - c.duration_ns <= c.enter_ns <= c.exit_ns
+    assert raw.exit_estimated and (raw.duration_ns, raw.timing) == (0, 0)
+    assert raw.exit_ns >= async_.exit_ns

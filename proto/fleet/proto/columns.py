@@ -58,7 +58,7 @@ def pack(events: Iterable[events_pb2.CollectiveEvent]) -> events_pb2.CollectiveC
 
     job, attempt, rank, group, group_size, seq, op = [], [], [], [], [], [], []
     in_sizes, in_dtypes, out_sizes, out_dtypes = [], [], [], []
-    enter, exit_, state, step, estimated = [], [], [], [], []
+    enter, exit_, state, step, estimated, duration, timing = [], [], [], [], [], [], []
     for ev in events:
         job.append(ix(ev.job_id))
         attempt.append(ev.attempt)
@@ -76,11 +76,13 @@ def pack(events: Iterable[events_pb2.CollectiveEvent]) -> events_pb2.CollectiveC
         state.append(ix(ev.state or "started"))
         step.append(ev.step)
         estimated.append(ev.exit_estimated)
+        duration.append(ev.duration_ns)
+        timing.append(ev.timing)
     return events_pb2.CollectiveColumns(
         strings=list(strings), job_id=job, attempt=attempt, rank=rank, group=group,
         group_size=group_size, seq=seq, op=op, input_sizes=in_sizes, input_dtypes=in_dtypes,
         output_sizes=out_sizes, output_dtypes=out_dtypes, enter_ns=enter, exit_ns=exit_,
-        state=state, step=step, exit_estimated=estimated)
+        state=state, step=step, exit_estimated=estimated, duration_ns=duration, timing=timing)
 
 
 def pack_events(events: Sequence[events_pb2.Event]) -> list[events_pb2.Event]:
@@ -110,7 +112,9 @@ def unpack(block: events_pb2.CollectiveColumns) -> list[events_pb2.CollectiveEve
             op=s[block.op[i]], input_dtypes=json.loads(s[block.input_dtypes[i]]),
             output_dtypes=json.loads(s[block.output_dtypes[i]]), enter_ns=block.enter_ns[i],
             exit_ns=block.exit_ns[i], state=s[block.state[i]], step=block.step[i],
-            exit_estimated=block.exit_estimated[i])
+            exit_estimated=block.exit_estimated[i],
+            duration_ns=block.duration_ns[i] if block.duration_ns else 0,
+            timing=block.timing[i] if block.timing else 0)
         for dims in json.loads(s[block.input_sizes[i]]):
             ev.input_sizes.add().dims.extend(dims)
         for dims in json.loads(s[block.output_sizes[i]]):
