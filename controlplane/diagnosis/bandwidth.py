@@ -184,6 +184,8 @@ class BandwidthRow:
     last_rank: int | None          # the member most often last in (ties: lowest rank)
     last_share: float | None       # its share of the collectives
     utilization: float | None      # busbw / the group's link bandwidth, when given
+    bucketed: bool = False         # all_to_all: S varies with the routing, so ``bytes`` is the upper
+                                   # bound of a power-of-two bucket (each collective rated with its own S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,10 +386,15 @@ def _analyse_group(name: str, desc: str, members: tuple[int, ...], c: _Columns, 
     t_s = np.where(measured, t_ns, 0) / 1e9
     skew_s = skew_ns / 1e9
 
-    # rows: (op, S)
-    row_order = np.lexsort((size, op))
-    op_s, size_s = op[row_order], size[row_order]
-    boundary = np.r_[True, (op_s[1:] != op_s[:-1]) | (size_s[1:] != size_s[:-1])] if len(keep) \
+    # rows: (op, S); an all_to_all's S follows the routing and changes every step, so its
+    # rows are power-of-two buckets of S (each collective still rated with its own)
+    a2a = np.isin(op, [i for i, name in enumerate(cache.ops) if base_op(name) == "all_to_all"]) & (size > 0)
+    row_size = np.where(a2a, np.left_shift(1, np.ceil(np.log2(np.maximum(size, 1))).astype(np.int64)), size) \
+        if a2a.any() else size
+    row_order = np.lexsort((a2a, row_size, op))
+    op_s, size_s, a2a_s = op[row_order], row_size[row_order], a2a[row_order]
+    boundary = np.r_[True, (op_s[1:] != op_s[:-1]) | (size_s[1:] != size_s[:-1]) | (a2a_s[1:] != a2a_s[:-1])] \
+        if len(keep) \
         else np.zeros(0, dtype=bool)
     row_start = np.flatnonzero(boundary)
     row_of = np.empty(len(keep), dtype=np.int64)
@@ -414,13 +421,14 @@ def _analyse_group(name: str, desc: str, members: tuple[int, ...], c: _Columns, 
         busbw_med = _f(bus_q[0, i])
         rows.append(BandwidthRow(
             group=name, desc=desc, group_size=n, op=cache.ops[int(op[k])],
-            bytes=int(size[k]) if size[k] >= 0 else None,
+            bytes=int(row_size[k]) if row_size[k] >= 0 else None,
             collectives=int(row_counts[i]), measured=int(row_measured[i]), timing=row_timings[i],
             t_s=_f(t_q[0, i]), algbw_bps=_f(alg_q[0, i]), busbw_bps=busbw_med,
             busbw_p10_bps=_f(bus_q[1, i]), busbw_p90_bps=_f(bus_q[2, i]),
             skew_s=_f(skew_q[0, i]), skew_p90_s=_f(skew_q[1, i]),
             last_rank=int(last_r[i]), last_share=float(last_c[i] / row_counts[i]),
-            utilization=busbw_med / link if busbw_med is not None and link and link > 0 else None))
+            utilization=busbw_med / link if busbw_med is not None and link and link > 0 else None,
+            bucketed=bool(a2a[k])))
 
     whole = np.zeros(len(keep), dtype=np.int64)
     g_skew = _grouped_quantiles(whole, skew_s, 1, (0.5, 0.9))

@@ -184,7 +184,8 @@ def test_bus_factor_of_each_op_on_eight_ranks(op, ins, outs, size, factor):
     traces = traces_of(table, {r: [(1, sig, MS, 4 * MS - r, ASYNC)] for r in range(8)})
     [row] = analyse(traces).rows
     t = (4 * MS - 7) / 1e9
-    assert (row.bytes, row.group_size) == (size, 8)
+    # an all_to_all's row is the power-of-two bucket its S falls in (S changes with the routing)
+    assert (row.bytes, row.group_size, row.bucketed) == ((4096, 8, True) if op == "all_to_all" else (size, 8, False))
     assert row.algbw_bps == pytest.approx(size / t)
     assert row.busbw_bps == pytest.approx(size / t * factor)
 
@@ -195,8 +196,23 @@ def test_uneven_all_to_all_takes_the_largest_send():
     sigs = {r: table.intern("all_to_all", [(n, 4)], [(20, 4)], ["int32"], ["int32"]) for r, n in sends.items()}
     traces = traces_of(table, {r: [(1, sigs[r], MS, MS, NCCL)] for r in sends})
     [row] = analyse(traces).rows
-    assert row.bytes == 30 * 4 * 4
+    assert (row.bytes, row.bucketed) == (512, True)  # S = 30 x 4 x 4 = 480, in the bucket up to 512
     assert row.busbw_bps == pytest.approx(480 / 1e-3 * 2 / 3)
+
+
+def test_all_to_all_rows_are_buckets_of_their_sizes_each_rated_with_its_own():
+    table = SignatureTable()
+    # three steps of a 2-rank exchange with routing-dependent sizes: 40, 50 and 100 float32 rows
+    entries: dict[int, list] = {0: [], 1: []}
+    for seq, rows in ((1, 40), (2, 50), (3, 100)):
+        sig = table.intern("all_to_all", [(rows, 1)], [(rows, 1)], ["float32"], ["float32"])
+        for r in (0, 1):
+            entries[r].append((seq, sig, seq * 10 * MS, MS, WRAPPER))
+    rows = analyse(traces_of(table, entries)).rows
+    assert [(r.bytes, r.collectives, r.bucketed) for r in rows] == [(256, 2, True), (512, 1, True)]
+    # 160 and 200 bytes share the 256 bucket; each collective's busbw uses its own S
+    assert rows[0].busbw_bps == pytest.approx((160 + 200) / 2 / 1e-3 * 0.5)
+    assert rows[1].busbw_bps == pytest.approx(400 / 1e-3 * 0.5)
 
 
 def test_skew_percentiles_and_the_usual_last_arriver():
