@@ -1,5 +1,6 @@
 """The replay report of a job from the store: per attempt, who ran where, what each
-rank's collectives looked like, the desync verdict, and the step timeline.
+rank's collectives looked like, the desync verdict, the step timeline and the
+collectives' bandwidth (``collective_report.attempt_bandwidth``: measured durations only).
 
 Reads only through the Store's domain methods and returns plain dicts, so the CLI can
 print them as tables or JSON. Each incident carries the failed program's ``exit_code``
@@ -15,6 +16,7 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
+from fleet.controlplane.collective_report import attempt_bandwidth, job_topology
 from fleet.controlplane.diagnosis import diagnose_attempt
 from fleet.controlplane.sdc import sdc_section
 from fleet.controlplane.store import Store
@@ -27,9 +29,13 @@ def replay_report(store: Store, job_id: str, attempt: int | None = None) -> dict
     attempts = [a for a in store.get_attempts(job_id) if attempt is None or a.number == attempt]
     summaries = store.collective_summary(job_id, attempt)
     out_attempts = []
+    topology: Any = False  # read once, for the first attempt that needs it
     for a in attempts:
         steps = store.steps(job_id, attempt=a.number)
-        _, diagnosis = diagnose_attempt(store, job_id, a.number)
+        traces, diagnosis = diagnose_attempt(store, job_id, a.number)
+        placed = {r.rank: r.node for r in store.ranks(job_id, a.number)}
+        if topology is False:
+            topology = job_topology(job.config_json, placed.values())
         out_attempts.append(
             {
                 "attempt": a.number,
@@ -53,11 +59,14 @@ def replay_report(store: Store, job_id: str, attempt: int | None = None) -> dict
                         "last_completed_seq": s.last_completed_seq,
                         "ops": dict(s.ops),
                         "mean_duration_ms": s.mean_duration_ms,
+                        "measured": s.measured,
+                        "timings": list(s.timings),
                     }
                     for s in summaries
                     if s.attempt == a.number
                 ],
                 "steps": _step_timeline(steps),
+                "bandwidth": attempt_bandwidth(traces, steps, placed, topology),
             }
         )
     incidents = [i for i in store.incidents(job_id) if attempt is None or i.attempt == attempt]

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
+from fleet.controlplane.cli.bandwidth_view import print_bandwidth
 from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt
 from fleet.controlplane.cli.render import (
     console,
@@ -196,6 +197,7 @@ def _group_key(name: str) -> tuple[int, int | str]:
 
 def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path | None, json_out: bool) -> str:
     from fleet.controlplane.diagnosis import diagnose, load_traces
+    from fleet.controlplane.diagnosis.bandwidth import analyse
     from fleet.controlplane.diagnosis.stacks import finding_stacks
 
     with progress(f"reading dumps in {folder} ...") as say:  # stderr, on a terminal only
@@ -214,10 +216,12 @@ def _replay_dumps(folder: Path, prefix: str | None, view: _View, perfetto: Path 
         _write_html(view, json_out, *dumps_page(folder, traces, full, ranks=view.ranks, groups=view.groups,
                                                 seq_range=view.seqs))
     out = view.apply(full)
+    out["bandwidth"] = analyse(traces).to_json()
     if json_out:
         print_json(out)
     else:
         _print_diagnosis(out, title=f"{folder}: {len(diag.ranks)} ranks")
+        print_bandwidth(out["bandwidth"], str(folder))
     return diag.verdict
 
 
@@ -469,17 +473,20 @@ def _print_job(report: dict[str, Any], last_steps: int) -> None:
                 console.print(f"attempt {a['attempt']}: [red]SDC[/] {sdc_line(v)}", highlight=False,
                               soft_wrap=True)
         print_table(
-            "collectives per rank and group",
-            ["rank", "node", "group", "#ops", "seq range", "consecutive", "#done", "last done", "ops", "mean ms"],
+            "collectives per rank and group (mean ms: of the measured durations only)",
+            ["rank", "node", "group", "#ops", "seq range", "consecutive", "#done", "last done", "ops", "mean ms",
+             "timing"],
             [
                 [c["rank"], nodes.get(c["rank"], "?"), c["group"], c["count"],
                  f"{c['first_seq']}..{c['last_seq']}", "yes" if c["consecutive"] else "[red]GAP[/]",
                  c["completed"], c["last_completed_seq"],
                  " ".join(f"{k}:{v}" for k, v in sorted(c["ops"].items())),
-                 f"{c['mean_duration_ms']:.2f}" if c["mean_duration_ms"] is not None else "-"]
+                 f"{c['mean_duration_ms']:.2f}" if c["mean_duration_ms"] is not None else "[dim]not measured[/]",
+                 f"{','.join(c['timings'])} ({c['measured']}/{c['count']})" if c["measured"] else "-"]
                 for c in a["collectives"]
             ],
         )
+        print_bandwidth(a.get("bandwidth"), f"attempt {a['attempt']}")
         steps = a["steps"][-last_steps:] if last_steps else a["steps"]
         print_table(
             f"steps ({len(steps)} of {len(a['steps'])} shown)",
