@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU smoke benchmark: the `small` preset on one NVIDIA GPU, FP8 (tensorwise and rowwise)
-# against BF16, tokens/s and MFU. Finishes within 10 minutes on one H100/H200-class GPU.
+# against BF16, tokens/s and MFU; then NCCL all_gather bandwidth as fleet measures it from
+# the flight recorder's traces (TORCH_NCCL_ENABLE_TIMING=1) against an nccl-tests-style
+# timed loop on every GPU of the host (bench/gpu_collectives.py). Finishes within 10
+# minutes on one H100/H200-class host.
 #
 #   bash bench/gpu_smoke.sh            # from the repository root, with .venv installed
 #
@@ -25,6 +28,11 @@ for mode in off tensorwise rowwise; do
         --warmup-steps 0 --checkpoint-dir "$out/ckpt-$mode" --checkpoint-interval 0 \
         > "$out/$mode.log" 2>&1 || { echo "fp8=$mode failed:"; tail -40 "$out/$mode.log"; exit 1; }
 done
+ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+timeout 240 env TORCH_NCCL_ENABLE_TIMING=1 TORCH_NCCL_TRACE_BUFFER_SIZE=20000 \
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node "$ngpu" bench/gpu_collectives.py "$out/fr" \
+    > "$out/collectives.log" 2>&1 || { echo "collectives failed:"; tail -40 "$out/collectives.log"; exit 1; }
+grep -v '^{' "$out/collectives.log" | tail -12 || true
 "$PY" - "$out" "$STEPS" "$BATCH" "$SEQ" <<'PYEOF'
 import json, re, sys
 from pathlib import Path
@@ -45,5 +53,9 @@ for mode in ("off", "tensorwise", "rowwise"):
     res[f"mfu_{key}"] = round(metrics.mfu(fpt, tps, peak), 4)
     print(f"{key:>16}: {tps:10.0f} tokens/s  MFU {metrics.mfu(fpt, tps, peak):6.1%}")
 res["fp8_speedup"] = round(res["tokens_per_s_fp8_tensorwise"] / res["tokens_per_s_bf16"], 3)
+lines = [l for l in (out / "collectives.log").read_text().splitlines() if l.startswith("{")]
+coll = json.loads(lines[-1])
+res.update({f"nccl_all_gather_{k}": coll[k] for k in ("gpus", "compared", "max_busbw_rel_error", "median_rel_error",
+                                                       "entries_with_duration")})
 print(json.dumps(res))
 PYEOF

@@ -27,10 +27,13 @@ def size_text(n: int | None, bucketed: bool = False) -> str:
 
 
 def rate_text(bps: float | None) -> str:
-    """Bytes/s in GB/s (decimal, as nccl-tests prints busbw)."""
+    """Bytes/s in decimal units (nccl-tests prints busbw in GB/s): ``12.3 GB/s``, ``850 MB/s``."""
     if bps is None:
         return _NOT
-    return f"{bps / 1e9:.3f}" if bps < 1e10 else f"{bps / 1e9:.1f}"
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.3g} B/s"
 
 
 def _ms(s: float | None) -> str:
@@ -49,7 +52,7 @@ def print_bandwidth(bw: dict[str, Any] | None, title: str) -> None:
     rows = sorted(bw["rows"], key=lambda r: -r["collectives"])[:ROWS_SHOWN]
     rows.sort(key=lambda r: (r["group"], r["op"], r["bytes"] if r["bytes"] is not None else -1))
     print_table(
-        f"{title}: collective bandwidth (busbw as nccl-tests defines it; GB/s = 1e9 bytes/s)",
+        f"{title}: collective bandwidth (busbw as nccl-tests defines it)",
         ["group", "n", "op", "size", "#", "measured", "timing", "median ms", "algbw", "busbw (p10-p90)",
          "util", "skew ms (p90)", "last in"],
         [

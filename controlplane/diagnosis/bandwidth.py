@@ -407,7 +407,8 @@ def _analyse_group(name: str, desc: str, members: tuple[int, ...], c: _Columns, 
     rated = measured & ~np.isnan(busbw)
 
     t_q = _grouped_quantiles(row_of[measured], t_s[measured], n_rows, (0.5,))
-    alg_q = _grouped_quantiles(row_of[rated], algbw[rated], n_rows, (0.5,))
+    alg_ok = measured & ~np.isnan(algbw)  # algbw needs no bus factor (a group of one has none)
+    alg_q = _grouped_quantiles(row_of[alg_ok], algbw[alg_ok], n_rows, (0.5,))
     bus_q = _grouped_quantiles(row_of[rated], busbw[rated], n_rows, (0.5, 0.1, 0.9))
     skew_q = _grouped_quantiles(row_of, skew_s, n_rows, (0.5, 0.9))
     last_r, last_c = _most_frequent(row_of, last_rank, n_rows)

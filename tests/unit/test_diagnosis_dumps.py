@@ -230,3 +230,31 @@ def test_native_names_become_canonical_as_dumps_are_read_and_either_completion_s
             ("all_reduce", ("float32",)), ("all_reduce", ("bfloat16",)), ("all_gather", ("float32",))]
         assert list(ops.done) == done
     assert ts.ranks[0].groups["0"].sigs == ts.ranks[1].groups["0"].sigs  # one vocabulary: equal ids
+
+
+def test_nccl_device_timing_in_dumps_rates_bandwidth_and_gloo_dumps_stay_not_measured(tmp_path, capsys):
+    """NCCL dumps taken with TORCH_NCCL_ENABLE_TIMING=1 carry each op's device time
+    (``duration_ms``): `fleet replay --dumps` rates them; gloo's dumps have none."""
+    nccl, gloo = tmp_path / "nccl", tmp_path / "gloo"
+    for folder, timed in ((nccl, True), (gloo, False)):
+        folder.mkdir()
+        for r in range(4):
+            entries = []
+            for i in range(3):
+                e = entry(i, i + 1, size=1 << 20, t=10_000_000 * (i + 1) + 1000 * r)
+                e["profiling_name"] = "nccl:all_reduce" if timed else "gloo:all_reduce"
+                if timed:
+                    e.update(state="completed", retired=True, duration_ms=2.0 + r * 0.5,
+                             time_discovered_completed_ns=10_000_000 * (i + 1) + 5_000_000)
+                entries.append(e)
+            (folder / f"fr_dump_{r}").write_bytes(pickle.dumps(doc(entries)))
+    assert cli(["replay", str(nccl), "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["bandwidth"]["rows"]
+    # S = 1 Mi float32 = 4 MiB; t = the smallest member's 2.0 ms; busbw = algbw x 2(n-1)/n
+    assert (row["op"], row["bytes"], row["measured"], row["timing"]) == ("all_reduce", 4 << 20, 3, ["nccl"])
+    assert row["busbw_bps"] == pytest.approx((4 << 20) / 2e-3 * 1.5)
+    assert row["skew_s"] == pytest.approx(3e-6) and row["last_rank"] == 3
+    assert cli(["replay", str(gloo), "--json"]) == 0
+    bw = json.loads(capsys.readouterr().out)["bandwidth"]
+    assert not bw["measured"] and bw["rows"][0]["busbw_bps"] is None and bw["rows"][0]["measured"] == 0
+    assert bw["timing_note"].startswith("none")
