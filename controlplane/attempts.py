@@ -44,13 +44,14 @@ from fleet.controlplane.errors import UnavailableError
 from fleet.controlplane.job_control import LiveJob
 from fleet.controlplane.lifecycle import AttemptState, JobState, NodeActor
 from fleet.controlplane.logtee import LogTee
-from fleet.controlplane.placement import choose_nodes
+from fleet.controlplane.placement import JobLayout, choose_nodes
 from fleet.controlplane.policy import QuarantineDecision, decide_quarantine
 from fleet.controlplane.recovery import PendingRecovery, faults_after, finish_recovery, note_processes
 from fleet.controlplane.runtime import Agents, NodeInfo, Pool, Runtime, Workers
 from fleet.controlplane.sdc import copies_problem
 from fleet.controlplane.stopping import Stopper
 from fleet.controlplane.store import NODE_QUARANTINED, IncidentRecord, Store
+from fleet.controlplane.topology import Topology
 from fleet.controlplane.watchdog import Watchdog
 from fleet.proto.kinds import IncidentKind
 from fleet.workers.spec import Launch
@@ -118,6 +119,8 @@ class AttemptRunner:
         self._builtin = config.job.user_program is None
         self._early_exits = exits.EarlyExitWatch()
         self._startup_failure: Incident | None = None  # the last attempt's, if it made no progress
+        self._topology: Topology | None = None  # cluster.yaml's, resolved against the nodes in run()
+        self._placement_reasons: tuple[str, ...] = ()  # why the last chosen nodes, in their order
         # after SDC: restore no step newer than this (0 = no ceiling) until an attempt passes the other
         self._restore_at_most, self._ceiling_until = 0, 0
         self.firer = ChaosFirer(job, registry, self, supervisor, store, checkpoint_dir)
@@ -170,6 +173,8 @@ class AttemptRunner:
         stopped and is resumed from that step's checkpoint, so only the config's faults
         timed after it are scheduled (``recovery.faults_after``)."""
         cfg, job = self.config, self.job
+        # an attached cluster's node names are known only now: a rack naming another is refused
+        self._topology = cfg.topology.resolve(nodes) if cfg.topology is not None else None
         program = launch.program_launch(cfg, self._environ)
         # a program restarts every rank: enough warm interpreters per node for a whole group
         spares = cfg.job.spare_workers_per_node if program is None else \
@@ -188,6 +193,8 @@ class AttemptRunner:
                 return self._stopper.between()
             placement = [n for n in chosen for _ in range(cfg.job.ranks_per_node)]
             attempt = self.store.create_attempt(job.job_id)
+            if self._placement_reasons:
+                self.store.record_action(job.job_id, attempt, "placement", "; ".join(self._placement_reasons))
             actors, reused = pool.acquire(placement)
             group = self._group = self._runtime.workers(placement, actors)
             master_addr = self._master_addr(placement)
@@ -534,8 +541,10 @@ class AttemptRunner:
             down = self._supervisor.down_nodes(time.monotonic())
             job = self.config.job
             decision = choose_nodes([n.name for n in nodes], quarantined, job.nodes, down,
-                                    minimum=job.min_nodes if 0 < job.min_nodes < job.nodes else None)
+                                    minimum=job.min_nodes if 0 < job.min_nodes < job.nodes else None,
+                                    topology=self._topology, layout=self._layout())
             if decision.nodes:
+                self._placement_reasons = decision.reasons
                 by_name = {n.name: n for n in nodes}
                 if decision.reason:  # shrunk: fewer data-parallel ranks this attempt
                     self.store.record_action(self.job.job_id, self.job.attempt, "shrink", decision.reason)
@@ -549,6 +558,14 @@ class AttemptRunner:
                 self._progress(f"waiting for healthy nodes: {decision.reason} (fleet release NODE)")
             if self.job.stopping.wait(1.0):
                 return None
+
+    def _layout(self) -> JobLayout:
+        """The process groups placement keeps close: the built-in trainer's (EP, data
+        parallelism); a program's only known group is the world."""
+        job = self.config.job
+        if not self._builtin:
+            return JobLayout(job.ranks_per_node)
+        return JobLayout(job.ranks_per_node, job.ep_size, job.data_parallel)
 
     def _maybe_quarantine(self, node: str | None, attempt: int) -> bool:
         """Quarantine ``node`` when the policy says its incidents point at the hardware."""

@@ -10,7 +10,10 @@ definition (default, bounds, description) instead of restating it. The job's rec
 ``workers.spec.TrainArgs``'s, the model overrides are ``workers.spec.ModelArgs``'s made
 optional, the workers' timeouts and intervals ``workers.spec.WorkerSpec``'s, and the
 agent's batching, buffering and link settings ``agent.settings.AgentSettings``'s. The
-sections add placement, restarts, detection and the rules that span components.
+sections add placement, restarts, detection and the rules that span components. The
+``topology`` section is ``controlplane.topology.TopologyConfig``; the node names it lists
+are checked here for a local cluster, and by ``TopologyConfig.resolve`` once an attached
+cluster's nodes are known (with the lines located here).
 
 Ordering rules checked at construction:
 heartbeat_interval_s < heartbeat_timeout_s < job.pg_timeout_s;
@@ -41,6 +44,7 @@ from fleet.controlplane.config_overrides import Override, apply_overrides, blame
 from fleet.controlplane.detectors import DETECTOR_KINDS, DetectorAction
 from fleet.controlplane.errors import ConfigError
 from fleet.controlplane.sdc import copies_problem
+from fleet.controlplane.topology import KeyedError, TopologyConfig, as_keyed, local_node_names
 from fleet.proto.contract import MESSAGE_HEADROOM_BYTES
 from fleet.proto.kinds import FaultKind, IncidentKind
 from fleet.proto.tls import TlsFiles
@@ -836,6 +840,10 @@ class ClusterConfig(_Section):
     detect: DetectConfig = Field(
         default_factory=DetectConfig, description="Live failure detection (hangs, stragglers, loss spikes, agent loss)."
     )
+    topology: TopologyConfig | None = Field(
+        None, description="The network: link bandwidths (Gbit/s) and racks. Placement keeps the groups that "
+        "talk most inside a node, then a rack; the slow_comm detector rates collectives against the slowest "
+        "link. Unset: no topology (nodes are taken in name order).")
 
     @model_validator(mode="after")
     def _ordering(self) -> ClusterConfig:
@@ -856,6 +864,16 @@ class ClusterConfig(_Section):
                 f"job.nodes ({self.job.nodes}) exceeds the local cluster's ray.nodes "
                 f"({self.ray.nodes})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _topology_nodes_exist(self) -> ClusterConfig:
+        # A local cluster's node names are known now; an attached one's once Ray is up
+        # (``TopologyConfig.resolve``, with the lines ``validate_cluster_data`` located).
+        if self.topology is not None and self.ray.address is None:
+            found = self.topology.unknown_node(local_node_names(self.ray.nodes))
+            if found is not None:
+                raise KeyedError(("topology", *found[0]), found[1])
         return self
 
     @model_validator(mode="after")
@@ -962,29 +980,41 @@ def validate_cluster_data(data: dict[str, Any], source: str, *, overrides: Seque
     if overrides:
         data = apply_overrides(data, overrides)
     try:
-        return ClusterConfig.model_validate(data)
+        cfg = ClusterConfig.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = tuple(p for i, p in enumerate(err["loc"])
+        # a validator may name a key below its own (``topology.KeyedError``)
+        full = (*err["loc"], *as_keyed(err.get("ctx", {}).get("error")))
+        loc = tuple(p for i, p in enumerate(full)
                     if not (isinstance(p, str) and p.startswith("function-"))
-                    and not (i and err["loc"][i - 1] == "entrypoint" and p in (_PROGRAM, "builtin")))
+                    and not (i and full[i - 1] == "entrypoint" and p in (_PROGRAM, "builtin")))
         key = ".".join(_key_text(p) for p in loc)
         msg = " ".join(err["msg"].removeprefix("Value error, ").splitlines())
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         more = f" (and {len(exc.errors()) - 1} more problem(s))" if len(exc.errors()) > 1 else ""
-        culprit, alone = blamed(overrides, loc, msg, unknown_key=err["type"] == "extra_forbidden")
-        if culprit is not None and alone:
-            where = culprit.source
-        else:
-            line = _line_of(root, loc) if loc and root is not None else None
-            where = f"{source}:{line}" if line else source
-            if culprit is not None:  # a section's own rule, over the file's values and the override's
-                where += f" with {culprit.source}"
-            elif overrides and not loc:  # a rule across sections: the file, or what was set on it
-                where += f" with {', '.join(o.source for o in overrides)}"
+        where = _where(source, root, overrides, loc, msg, unknown_key=err["type"] == "extra_forbidden")
         prefix = f"{where}: {key}: " if key else f"{where}: "
         raise ConfigError(f"{prefix}{msg}{more}", hint=_FILE_HINT) from None
+    if cfg.topology is not None:  # for the node names an attached cluster checks once Ray is up
+        cfg.topology.locate(lambda loc: _where(source, root, overrides, ("topology", *loc), ""))
+    return cfg
+
+
+def _where(source: str, root: yaml.Node | None, overrides: Sequence[Override], loc: tuple[Any, ...],
+           msg: str, unknown_key: bool = False) -> str:
+    """Where a problem at ``loc`` with message ``msg`` comes from: ``<source>[:line]``, or the
+    override to blame (``config_overrides.blamed``)."""
+    culprit, alone = blamed(overrides, loc, msg, unknown_key=unknown_key)
+    if culprit is not None and alone:
+        return culprit.source
+    line = _line_of(root, loc) if loc and root is not None else None
+    where = f"{source}:{line}" if line else source
+    if culprit is not None:  # a section's own rule, over the file's values and the override's
+        where += f" with {culprit.source}"
+    elif overrides and not loc:  # a rule across sections: the file, or what was set on it
+        where += f" with {', '.join(o.source for o in overrides)}"
+    return where
 
 
 def load_cluster_config(path: str | Path, overrides: Sequence[Override] = ()) -> ClusterConfig:

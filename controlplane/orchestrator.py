@@ -87,15 +87,7 @@ class RayRuntime:
 
     def nodes(self) -> list[NodeInfo]:
         """Alive nodes, ordered by name."""
-        out = []
-        for n in ray.nodes():
-            if not n.get("Alive"):
-                continue
-            res = n.get("Resources", {})
-            index = next((m.group(1) for k in res if (m := _NODE_RESOURCE.match(k))), None)
-            name = f"node-{index}" if index is not None else f"{n['NodeManagerAddress']}-{n['NodeID'][:8]}"
-            out.append(NodeInfo(name, n["NodeID"], n["NodeManagerAddress"], float(res.get("CPU", 0))))
-        return sorted(out, key=lambda x: (len(x.name), x.name))
+        return alive_nodes(ray.nodes())
 
     def shutdown(self) -> None:
         if ray.is_initialized():
@@ -103,6 +95,22 @@ class RayRuntime:
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None
+
+
+def alive_nodes(entries: list[dict[str, Any]]) -> list[NodeInfo]:
+    """The alive nodes of ``ray.nodes()``'s entries, named as fleet names them (``node-<i>``
+    for a local cluster's, ``<IP>-<node id prefix>`` otherwise), with their labels, ordered
+    by name."""
+    out = []
+    for n in entries:
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources", {})
+        index = next((m.group(1) for k in res if (m := _NODE_RESOURCE.match(k))), None)
+        name = f"node-{index}" if index is not None else f"{n['NodeManagerAddress']}-{n['NodeID'][:8]}"
+        labels = {str(k): str(v) for k, v in (n.get("Labels") or {}).items()}
+        out.append(NodeInfo(name, n["NodeID"], n["NodeManagerAddress"], float(res.get("CPU", 0)), labels))
+    return sorted(out, key=lambda x: (len(x.name), x.name))
 
 
 def _pinned(node: NodeInfo) -> NodeAffinitySchedulingStrategy:

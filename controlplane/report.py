@@ -245,6 +245,8 @@ def job_report(job: JobRecord, attempts: Sequence[AttemptRecord], steps: Sequenc
         "incidents": out_incidents,
         "quarantined_nodes": quarantined,
         "quarantines": [a.cause for a in actions if a.kind == "quarantine"],
+        # with a topology: why each attempt's nodes, in their order (placement.explain)
+        "placements": [{"attempt": a.attempt, "reasons": a.cause} for a in actions if a.kind == "placement"],
         "checkpoints": [{"step": c.step, "attempt": c.attempt, "valid": c.valid} for c in checkpoints],
         "invalid_checkpoints": [a.cause for a in actions if a.kind == CKPT_INVALID],
         "sdc": sdc_section(sdc_checks, incidents, placements or {}),

@@ -15,7 +15,7 @@ Nothing here imports Ray or gRPC.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -27,12 +27,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """A Ray node as fleet names it."""
+    """A Ray node as fleet names it. ``labels``: its Ray node labels (``ray start --labels``;
+    the rack of ``topology.rack_label``), not part of its hash."""
 
     name: str
     ray_node_id: str
     address: str
     cpus: float
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ def report(
     """ETTR (productive step time / wall time), lost time by category, wall time by
     attempt, incidents with their detection and recovery times, exit codes and
     tracebacks, what observed incidents would have done (detect.<kind>.action: observe), silent data corruption (checks, triage, verdict, rollback point),
-    restarts and quarantines."""
+    restarts, quarantines and, with a topology, why each attempt's nodes were chosen."""
     from fleet.controlplane.report import load_report
 
     with open_store(store, cluster) as st, progress(f"reading job {job_id} ..."):  # a long job's rows take a while
@@ -79,6 +79,10 @@ def report(
     print_sdc(out["sdc"])
     for cause in out["quarantines"]:
         console.print(f"[yellow]quarantine:[/] {cause}", highlight=False)
+    for p in out["placements"]:  # stored as one line, its reasons joined by "; "
+        console.print(f"placement of attempt {p['attempt']}:", highlight=False)
+        for reason in p["reasons"].split("; "):
+            console.print(f"  {reason}", highlight=False)
     if out["checkpoints"]:
         console.print("checkpoints: " + ", ".join(
             f"step {c['step']}" + ("" if c["valid"] else " [red]INVALID[/]") for c in out["checkpoints"]),

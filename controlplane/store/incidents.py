@@ -33,7 +33,7 @@ from fleet.proto.kinds import IncidentKind
 TRACEBACK_MAX_CHARS = 64 * 1024
 
 ACTION_KINDS = frozenset({"restart", "quarantine", "release", "rollback", "stop", "inject_fault",
-                          "restart_agent", "shrink", "resume"})
+                          "restart_agent", "shrink", "resume", "placement"})
 
 
 class IncidentMethods(StoreBase):
