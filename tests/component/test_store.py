@@ -34,7 +34,7 @@ def job(store: Store) -> str:
 
 
 def coll(job_id: str, seq: int, state: str = "started", *, rank: int = 0, attempt: int = 1,
-         group: str = "0", op: str = "all_reduce", dur_ns: int = 2_000_000) -> pb.Event:
+         group: str = "0", op: str = "all_reduce", dur_ns: int = 2_000_000, measured: bool = True) -> pb.Event:
     ev = pb.Event()
     c = ev.collective
     c.job_id, c.attempt, c.rank, c.group, c.group_size = job_id, attempt, rank, group, 4
@@ -46,6 +46,10 @@ def coll(job_id: str, seq: int, state: str = "started", *, rank: int = 0, attemp
     c.enter_ns = 1_000_000_000 + seq * 10_000_000
     if state != "started":
         c.exit_ns = c.enter_ns + dur_ns
+        if measured:
+            c.duration_ns, c.timing = dur_ns, pb.COLLECTIVE_TIMING_WRAPPER
+        else:
+            c.exit_estimated = True
     return ev
 
 
@@ -157,9 +161,11 @@ def test_collective_queries_and_summary(store: Store, job: str) -> None:
             if not (rank == 1 and seq == 5):
                 events.append(coll(job, seq, "completed", rank=rank, dur_ns=4_000_000))
     events.append(coll(job, 1, "completed", group="tp", rank=0))
+    events.append(coll(job, 2, group="tp", rank=0))  # completed, but only seen retired by a poll
+    events.append(coll(job, 2, "completed", group="tp", rank=0, dur_ns=90_000_000, measured=False))
     store.record_batch("a", 1, 1, events)
     assert len(store.collectives(job, attempt=1, rank=1, group="0")) == 4
-    assert [r.group for r in store.collectives(job, rank=0)] == ["0"] * 4 + ["tp"]
+    assert [r.group for r in store.collectives(job, rank=0)] == ["0"] * 4 + ["tp"] * 2
     summary = {(s.rank, s.group): s for s in store.collective_summary(job, attempt=1)}
     s0, s1, tp = summary[0, "0"], summary[1, "0"], summary[0, "tp"]
     assert (s0.count, s0.first_seq, s0.last_seq, s0.consecutive) == (4, 1, 5, False)
@@ -167,7 +173,9 @@ def test_collective_queries_and_summary(store: Store, job: str) -> None:
     assert (s1.completed, s1.last_completed_seq) == (3, 3)
     assert dict(s0.ops) == {"broadcast": 1, "all_reduce": 3}
     assert s0.mean_duration_ms == pytest.approx(4.0)
-    assert tp.consecutive and tp.count == 1 and tp.mean_duration_ms == pytest.approx(2.0)
+    # the estimated exit is no duration: the mean is of the measured one alone
+    assert tp.consecutive and tp.count == 2 and tp.mean_duration_ms == pytest.approx(2.0)
+    assert (tp.measured, tp.timings, s1.measured, s1.timings) == (1, ("wrapper",), 3, ("wrapper",))
     assert store.collective_summary(job, attempt=2) == []
 
 
