@@ -29,6 +29,14 @@ new attempt resets them: ``start_attempt``). Histograms take every row of the jo
   hosts shows as lag. Jobs that send collective fronts instead of raw collectives (more
   ranks than ``agent.raw_ingest_max_ranks``) get no arrival lag: a front is a rank's
   newest position, so the members' enters of one collective are rarely all seen.
+- ``fleet_collective_busbw_bytes_per_second{job_id,group,op}``: the median bus bandwidth
+  (nccl-tests' definition) of the group's recent collectives of that op measured on every
+  member; ``fleet_collective_utilization_ratio{job_id,group,op}``: that over the slowest
+  link the group crosses (only with a ``topology`` that knows it and the attempt's
+  placement, ``set_nodes``; a busbw above the declared link is logged and shown as 1);
+  ``fleet_collective_arrival_skew_seconds{job_id,group}``: the median first-to-last enter
+  of its recent collectives. Matched by ``collective_perf.CommTracker`` over the same
+  sample as the arrival lag, its newest ``LAG_WINDOW`` samples per group.
 - ``fleet_moe_expert_token_share_ratio{job_id,layer,expert}``: the expert's share of its
   layer's routed tokens, summed over ranks, in the newest step every rank of the attempt
   has reported (of the newest ``MOE_STEPS``; until one is complete the gauges keep what
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -49,12 +58,15 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from fleet.controlplane.collective_perf import CommTracker, Topology, median_busbw, median_skew_s
 from fleet.controlplane.metrics import BulkHistogram
 from fleet.controlplane.store.ingest import SDC_KINDS, PreparedBatch
 from fleet.controlplane.wavefront import intern
 from fleet.proto import events_pb2
 from fleet.proto.flight_record import P2P_SUFFIX
 from fleet.proto.vocab import canonical_op
+
+log = logging.getLogger(__name__)
 
 #: Batches of at most this many events in all wait for ``drain``; later ones are skipped.
 MAX_PENDING_EVENTS = 400_000
@@ -149,10 +161,14 @@ class CollectiveMetrics:
     """The batch-fed metrics of one job. ``observe`` from any thread; ``drain`` and
     ``start_attempt`` from one (the refresher's)."""
 
-    def __init__(self, registry: CollectorRegistry, job_id: str, *, arrival_sample: int = ARRIVAL_SAMPLE) -> None:
-        """``arrival_sample``: match every this-many-th collective of each group for arrival lag."""
+    def __init__(self, registry: CollectorRegistry, job_id: str, *, arrival_sample: int = ARRIVAL_SAMPLE,
+                 topology: Topology | None = None) -> None:
+        """``arrival_sample``: match every this-many-th collective of each group for arrival
+        lag and bandwidth; ``topology``: link bandwidths for the utilization ratio."""
         self.job_id = job_id
         self._sample = arrival_sample
+        self._topology = topology
+        self._placement: tuple[int, tuple[str, ...]] = (0, ())  # (attempt, node of each rank)
         r = registry
         self.step_s = BulkHistogram("fleet_step_duration_seconds", "Step time of every rank's steps (step_time_s).",
                                     ["job_id"], STEP_BUCKETS_S, r)
@@ -167,6 +183,15 @@ class CollectiveMetrics:
         self.lag = Gauge("fleet_collective_arrival_lag_seconds",
                          "How late the rank entered its recent collectives behind each one's first member "
                          "(mean over its last completed matches).", ["job_id", "rank"], registry=r)
+        self.busbw = Gauge("fleet_collective_busbw_bytes_per_second",
+                           "Median bus bandwidth (nccl-tests) of the group's recent collectives of the op "
+                           "measured on every member.", ["job_id", "group", "op"], registry=r)
+        self.utilization = Gauge("fleet_collective_utilization_ratio",
+                                 "The group's median bus bandwidth over the slowest link it crosses (topology).",
+                                 ["job_id", "group", "op"], registry=r)
+        self.skew = Gauge("fleet_collective_arrival_skew_seconds",
+                          "Median first-to-last member enter of the group's recent collectives.",
+                          ["job_id", "group"], registry=r)
         self.share = Gauge("fleet_moe_expert_token_share_ratio",
                            "The expert's share of its MoE layer's routed tokens in the newest step (all ranks).",
                            ["job_id", "layer", "expert"], registry=r)
@@ -201,6 +226,12 @@ class CollectiveMetrics:
         # the newest MOE_STEPS steps' routed tokens: step -> (layer -> tokens per expert, ranks in it)
         self._moe: dict[int, tuple[dict[int, np.ndarray], set[int]]] = {}
         self._moe_series: set[tuple[str, str]] = set()            # (layer, expert) published
+        self._perf = CommTracker(self.job_id, self._attempt, LAG_WINDOW)
+        self._perf_published = 0                                   # _perf.completed when published
+        self._rate_series: set[tuple[str, str]] = set()            # (group, op) published
+        self._util_series: set[tuple[str, str]] = set()
+        self._skew_series: set[str] = set()
+        self._over_link: set[tuple[str, str]] = set()              # (group, op) logged above its link
 
     def observe(self, node_name: str, batch: PreparedBatch) -> None:
         """The ``AgentServicer`` observer: queue ``batch`` for ``drain`` (O(1))."""
@@ -227,8 +258,19 @@ class CollectiveMetrics:
         for layer in {layer for layer, _ in self._moe_series}:
             self.min_share.remove(self.job_id, layer)
             self.max_share.remove(self.job_id, layer)
+        for group, op in self._rate_series:
+            self.busbw.remove(self.job_id, group, op)
+        for group, op in self._util_series:
+            self.utilization.remove(self.job_id, group, op)
+        for group in self._skew_series:
+            self.skew.remove(self.job_id, group)
         self._reset()
         self.tokens.labels(self.job_id).set(0.0)  # a new attempt has processed nothing yet
+
+    def set_nodes(self, attempt: int, nodes_by_rank: Sequence[str]) -> None:
+        """Attempt ``attempt`` runs rank r on ``nodes_by_rank[r]`` (for the utilization
+        ratio; any thread)."""
+        self._placement = (attempt, tuple(nodes_by_rank))
 
     def drain(self) -> int:
         """Fold every queued batch in and publish the gauges; the number of batches folded."""
@@ -296,6 +338,7 @@ class CollectiveMetrics:
         newest = int(attempt.max())
         if newest > self._attempt:
             self._new_attempt(newest)
+        self._rate(blocks)
         done &= exit_ns > 0
         if done.any():
             seconds = np.maximum(exit_ns[done] - enter[done], 0) / 1e9
@@ -321,6 +364,23 @@ class CollectiveMetrics:
         add, names = self._matcher.add_members, self._group_names
         for a, b in zip([0, *cuts], [*cuts, len(order)]):
             add(names[g_list[a]], q_list[a], sizes[a], ranks[a:b], enters[a:b])
+
+    def _rate(self, blocks: list[events_pb2.CollectiveColumns]) -> None:
+        """Feed ``_perf`` the attempt's completed collectives of the arrival lag's sample
+        (one Python call per row picked)."""
+        add, job, attempt, codes, ops = self._perf.add_entry, self.job_id, self._attempt, self._string_codes, \
+            self._op_names
+        for b in blocks:
+            seq = np.asarray(b.seq, dtype=np.int64)
+            picked = np.flatnonzero((seq % self._sample == 0) & (np.asarray(b.attempt, dtype=np.int64) == attempt)
+                                    & (np.asarray(b.group_size, dtype=np.int64) >= 2))
+            s, dur, timing = b.strings, b.duration_ns, b.timing
+            for i in picked.tolist():
+                if s[b.job_id[i]] != job or s[b.state[i]] != "completed":
+                    continue
+                add(s[b.group[i]], b.seq[i], b.group_size[i], b.rank[i], ops[codes(s[b.op[i]])[2]],
+                    s[b.input_sizes[i]], s[b.input_dtypes[i]], s[b.output_sizes[i]], s[b.output_dtypes[i]],
+                    b.enter_ns[i], dur[i] if dur else 0, timing[i] if timing else 0)
 
     def _columns(self, blocks: list[events_pb2.CollectiveColumns]) -> tuple[np.ndarray, ...] | None:
         """This job's rows of ``blocks`` as arrays: attempt, enter_ns, exit_ns, completed,
@@ -372,6 +432,9 @@ class CollectiveMetrics:
         for rank, lag in self._matcher.mean_lags().items():
             self.lag.labels(job, str(rank)).set(lag)
             self._lag_ranks.add(rank)
+        if self._perf.completed != self._perf_published:
+            self._perf_published = self._perf.completed
+            self._publish_rates()
         # the newest step every rank of the attempt has reported; until there is one, the
         # gauges keep what they showed
         complete = [step for step, (_, ranks) in self._moe.items() if ranks >= self._newest.keys()]
@@ -384,3 +447,31 @@ class CollectiveMetrics:
             if shares:
                 self.min_share.labels(job, str(layer)).set(min(shares))
                 self.max_share.labels(job, str(layer)).set(max(shares))
+
+    def _publish_rates(self) -> None:
+        """The bandwidth gauges of every group with samples."""
+        job, topology = self.job_id, self._topology
+        attempt, nodes = self._placement
+        placed = topology is not None and attempt == self._attempt and nodes
+        for group, window in self._perf.windows.items():
+            skew = median_skew_s(window)
+            if skew is not None:
+                self.skew.labels(job, group).set(skew)
+                self._skew_series.add(group)
+            on = {nodes[r] for r in self._perf.members.get(group, ()) if 0 <= r < len(nodes)} if placed else set()
+            path = topology.path(sorted(on)) if topology is not None and on else None
+            for op in sorted({s.op for s in window if s.busbw is not None}):
+                busbw = median_busbw(window, op)
+                assert busbw is not None
+                self.busbw.labels(job, group, op).set(busbw)
+                self._rate_series.add((group, op))
+                if path is None or path.bandwidth_bps <= 0:
+                    continue
+                ratio = busbw / path.bandwidth_bps
+                if ratio > 1 and (group, op) not in self._over_link:
+                    self._over_link.add((group, op))
+                    log.warning("group %s %s: median busbw %.3g bytes/s is above its slowest link, %s "
+                                "(%.3g bytes/s): the topology understates it; utilization shown as 1",
+                                group, op, busbw, path.link, path.bandwidth_bps)
+                self.utilization.labels(job, group, op).set(min(ratio, 1.0))
+                self._util_series.add((group, op))

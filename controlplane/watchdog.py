@@ -27,6 +27,10 @@ applies the pure decisions of ``controlplane.detectors`` to what it has seen:
     the store ``SDC_SETTLE_S`` after a batch with SDC checks arrived (it is committed just
     after it is observed), and every ``SDC_POLL_S`` in any case; each is judged once
     (by row id, so a row committed late is not missed).
+  * slow_comm (``controlplane.collective_perf``): a group's completed collectives, matched
+    across its members, show a late rank or a bus bandwidth below
+    ``detect.slow_comm.min_utilization`` of its slowest link (``topology``); judged at most
+    every ``collective_perf.JUDGE_EVERY_S``, only after new collectives completed.
 
 Its inputs are the rows of the batches agents deliver (``observe``, installed as the
 ``AgentServicer`` observer, only queues a batch: the thread reads it through the batch's
@@ -57,7 +61,8 @@ Invariants:
   * ``on_incident`` runs on the watchdog thread, at most once per incident: one hang (or
     desync, or startup hang) per watched attempt, one straggler per (attempt, rank), one
     loss spike per attempt, one nan per attempt, one agent loss per node until its agent
-    is heard from again, one sdc per transient or ambiguous verdict row.
+    is heard from again, one sdc per transient or ambiguous verdict row, one slow_comm per
+    (cause, subject): a late rank, a slow node, a group.
     ``watch`` re-arms them all. Never while paused; never once ``pause`` has returned.
   * Only rows of the watched job and attempt count; rows that arrive before ``watch``
     names their attempt are dropped (call ``watch`` before the workers start).
@@ -77,7 +82,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from fleet.controlplane import detectors
+from fleet.controlplane import collective_perf, detectors
 from fleet.controlplane.config import ControllerConfig, DetectConfig
 from fleet.controlplane.detectors import Incident
 from fleet.controlplane.sdc import SdcVerdict
@@ -203,6 +208,7 @@ class _Watched:
     fronts: Wavefronts | None = None          # a large job's collective fronts (None: raw collectives)
     pull_key: tuple = ()                      # (verdict, culprits, groups) whose raw entries were asked for
     pull_sent: float = 0.0                    # monotonic: when
+    slow_comm: collective_perf.SlowCommMonitor | None = None
 
 
 class Watchdog:
@@ -217,14 +223,16 @@ class Watchdog:
     user programs, which do not raise on one as the built-in trainer does).
     ``send(node, command)``: how a command reaches a node's agent (``AgentRegistry.send``);
     a large job's diagnosis asks the agents for raw entries through it (None: it decides
-    on the fronts alone).
+    on the fronts alone). ``topology``: the links' bandwidths the slow_comm detector rates
+    groups against (None: only arrival skew is judged).
     """
 
     def __init__(self, store: Store, job_id: str, cfg: DetectConfig, on_incident: Callable[[Incident], None],
                  silent_for: Callable[[], dict[str, float]] | None = None, *,
                  agent_timeout_s: float = ControllerConfig.model_fields["heartbeat_timeout_s"].default,
                  nan_from_steps: bool = False,
-                 send: Callable[[str, events_pb2.Command], None] | None = None) -> None:
+                 send: Callable[[str, events_pb2.Command], None] | None = None,
+                 topology: collective_perf.Topology | None = None) -> None:
         self._store = store
         self._job_id = job_id
         self._cfg = cfg
@@ -233,6 +241,7 @@ class Watchdog:
         self._agent_timeout_s = agent_timeout_s
         self._nan_from_steps = nan_from_steps
         self._send = send
+        self._topology = topology
         self._inbox: deque[tuple[int, PreparedBatch]] = deque(maxlen=INBOX_MAX)
         self._lock = threading.RLock()        # the watched state
         self._fire_lock = threading.RLock()   # held while firing; pause() takes it
@@ -278,7 +287,9 @@ class Watchdog:
                 step_times=deque(maxlen=STEP_TIMES_PER_RANK * world),
                 losses=deque(maxlen=self._cfg.loss_window),
                 gaps=_RecentMax(COLLECTIVE_GAPS_PER_RANK * world),
-                laggards=deque(maxlen=self._cfg.straggler_steps))
+                laggards=deque(maxlen=self._cfg.straggler_steps),
+                slow_comm=collective_perf.SlowCommMonitor(self._job_id, attempt, nodes_by_rank, self._topology,
+                                                          self._cfg.slow_comm))
             for node in nodes_by_rank:
                 self._heard.setdefault(node, now)  # never heard: silent from now on
             self._paused = False
@@ -323,6 +334,7 @@ class Watchdog:
             if self._paused:
                 return
             found += self._agents(w, now)
+            found += self._slow_comm(w, now)
             suspect = self._suspect(w, now_ns, now, total_steps)
             if any(batch.sdc for _, batch in batches):
                 w.sdc_read_at = min(w.sdc_read_at, now + SDC_SETTLE_S)
@@ -402,6 +414,8 @@ class Watchdog:
             if new is not None and not (w.fronts is not None and w.fronts.rows_applied):
                 oldest_new = new if oldest_new is None else min(oldest_new, new)
             found += self._stragglers(w)
+            if w.slow_comm is not None:
+                w.slow_comm.add(batch.collective_rows())
         if oldest_new is not None:
             w.lags.append(max(0.0, (arrival_ns - oldest_new) / 1e9))
         return found
@@ -499,6 +513,12 @@ class Watchdog:
         excess = len(w.arrivals) - (2 * cfg.straggler_steps + 16)  # a rank that sends no collectives
         for step in sorted(w.arrivals)[:max(excess, 0)]:
             del w.arrivals[step]
+        return found
+
+    def _slow_comm(self, w: _Watched, now: float) -> list[Incident]:
+        found: list[Incident] = []
+        for f in w.slow_comm.judge(now) if w.slow_comm is not None else ():
+            found += self._once(w, (IncidentKind.SLOW_COMM, *f.key), f.incident)
         return found
 
     # -- agents ---------------------------------------------------------------------------
