@@ -214,7 +214,7 @@ class AttemptRunner:
                 master_addr=master_addr,
                 launch=launch.program_launch(cfg, self._environ, job.job_id, attempt),
                 restore_at_most=self._restore_at_most)
-            self._watchdog.watch(attempt, [n.name for n in placement])
+            self._watchdog.watch(attempt, [n.name for n in placement], self._topology)
             self._early_exits.reset()
             self._start_tee(specs[0].launch)
             group.run(specs)

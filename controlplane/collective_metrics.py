@@ -267,9 +267,11 @@ class CollectiveMetrics:
         self._reset()
         self.tokens.labels(self.job_id).set(0.0)  # a new attempt has processed nothing yet
 
-    def set_nodes(self, attempt: int, nodes_by_rank: Sequence[str]) -> None:
+    def set_nodes(self, attempt: int, nodes_by_rank: Sequence[str], topology: Topology | None = None) -> None:
         """Attempt ``attempt`` runs rank r on ``nodes_by_rank[r]`` (for the utilization
-        ratio; any thread)."""
+        ratio; any thread); ``topology``, when given, replaces the one it was built with."""
+        if topology is not None:
+            self._topology = topology
         self._placement = (attempt, tuple(nodes_by_rank))
 
     def drain(self) -> int:

@@ -202,6 +202,12 @@ class CommTracker:
         return size
 
 
+
+#: Fewest collectives with skew >= ``skew_s`` a window needs before it can name a late rank.
+MIN_SKEWED = 4
+#: A window rates utilization when at least 1/this of it is measured samples of >= min_bytes.
+MIN_RATED_SHARE = 4
+
 # -- summaries (the metrics and the detector) -------------------------------------------------
 
 def median_busbw(samples: Iterable[CommSample], op: str | None = None) -> float | None:
@@ -243,12 +249,13 @@ class _View:
     ranks: tuple[int, ...]
     nodes: frozenset[str]
     path: LinkPath | None
-    busbw: float | None        # median, bytes/s, over a window measured throughout
+    busbw: float | None        # median, bytes/s, of the window's measured samples of >= min_bytes
     utilization: float | None  # busbw / path.bandwidth_bps
     below: bool
-    skew_s: float              # median
-    late_rank: int | None      # the member last in late_share of the window, with median skew >= skew_s
-    late_count: int            # ... collectives it entered last
+    skew_s: float              # median skew of the skewed samples (>= skew_s), else of all
+    late_rank: int | None      # the member last in >= late_share of the skewed samples
+    late_count: int            # ... skewed samples it entered last
+    skewed: int                # samples with skew >= skew_s
 
 
 def judge_slow_comm(windows: Mapping[str, Sequence[CommSample]], members: Mapping[str, Sequence[int]],
@@ -297,15 +304,22 @@ def _view(group: str, samples: list[CommSample], ranks: tuple[int, ...], nodes: 
     on = frozenset(nodes[r] for r in ranks if 0 <= r < len(nodes))
     path = topology.path(sorted(on)) if topology is not None and on else None
     busbw = utilization = None
-    if all(s.busbw is not None for s in samples):
-        busbw = median_busbw(samples)
+    # only messages large enough to be bandwidth-bound say anything about a link: a small
+    # one's busbw is its latency, far below any link's bandwidth on a healthy fabric
+    rated = [s for s in samples if s.busbw is not None and (s.nbytes or 0) >= cfg.min_bytes]
+    if len(rated) * MIN_RATED_SHARE >= len(samples):
+        busbw = median_busbw(rated)
         if path is not None and path.bandwidth_bps > 0 and busbw is not None:
             utilization = busbw / path.bandwidth_bps
     below = utilization is not None and cfg.min_utilization > 0 and utilization < cfg.min_utilization
-    skew = median(s.skew_s for s in samples)
-    rank, count = collections.Counter(s.last_rank for s in samples).most_common(1)[0]
-    late = skew >= cfg.skew_s and count >= cfg.late_share * len(samples)
-    return _View(group, samples, ranks, on, path, busbw, utilization, below, skew, rank if late else None, count)
+    # a rank late once per step makes one skewed collective of the step; the others it
+    # then joins on time: judged over the skewed ones, so a window of several steps shows it
+    skewed = [s for s in samples if s.skew_s >= cfg.skew_s]
+    rank, count = collections.Counter(s.last_rank for s in skewed or samples).most_common(1)[0]
+    late = len(skewed) >= MIN_SKEWED and count >= cfg.late_share * len(skewed)
+    skew = median(s.skew_s for s in skewed or samples)
+    return _View(group, samples, ranks, on, path, busbw, utilization, below, skew, rank if late else None,
+                 count if skewed else 0, len(skewed))
 
 
 def _late_ranks(late: list[_View], nodes: Sequence[str], cfg: SlowCommSettings) -> list[SlowComm]:
@@ -316,16 +330,17 @@ def _late_ranks(late: list[_View], nodes: Sequence[str], cfg: SlowCommSettings) 
             by_rank.setdefault(v.late_rank, []).append(v)
     found = []
     for rank, views in sorted(by_rank.items()):
-        views.sort(key=lambda v: (-v.late_count / len(v.samples), -v.skew_s, v.group))
+        views.sort(key=lambda v: (-v.late_count, -v.skew_s, v.group))
         node = nodes[rank] if 0 <= rank < len(nodes) else ""
         worst = views[0]
         rate = f"{_rate(worst)}; " if worst.utilization is not None else ""
         evidence = (f"{_describe(worst)}: {rate}rank {rank} ({node or 'no node'}) entered last in "
-                    f"{worst.late_count}/{len(worst.samples)}, median skew {worst.skew_s:.2f} s "
-                    f"(detect.slow_comm.skew_s {cfg.skew_s:g} s): a late rank")
+                    f"{worst.late_count} of the {worst.skewed} collectives of the last {len(worst.samples)} "
+                    f"whose arrival skew was >= detect.slow_comm.skew_s {cfg.skew_s:g} s (median "
+                    f"{worst.skew_s:.2f} s): a late rank, the others wait for it")
         if len(views) > 1:
             evidence += "; also last in " + ", ".join(
-                f"group {v.group} ({v.late_count}/{len(v.samples)})" for v in views[1:])
+                f"group {v.group} ({v.late_count}/{v.skewed})" for v in views[1:])
         found.append(SlowComm("late_rank", str(rank),
                               Incident(IncidentKind.SLOW_COMM, "slow_comm", rank, node, evidence)))
     return found

@@ -661,17 +661,25 @@ class SlowCommSettings(DetectorSettings):
         "its path (`topology`); 0 = off. Needs link bandwidths in `topology`: without them utilization is "
         "not known and only skew is judged.",
     )
+    min_bytes: int = Field(
+        1 << 20, ge=0, le=1 << 40,
+        description="Utilization is judged on collectives of at least this many bytes (S as nccl-tests "
+        "counts it): a small message's bus bandwidth is its latency, far below a healthy link's bandwidth. "
+        "A window rates utilization when a quarter of it is measured collectives this large.",
+    )
     skew_s: float = Field(
-        0.05, gt=0, le=3600,
-        description="Flag a group whose median arrival skew (first to last member entering a collective) "
-        "is at least this many seconds, with one member last in at least late_share of them (a late rank).",
+        0.1, gt=0, le=3600,
+        description="A collective whose arrival skew (first to last member entering it) is at least this many "
+        "seconds is skewed; a group whose window holds at least 4 skewed collectives with one member last in "
+        "at least late_share of them has a late rank (a rank late once per step skews that step's first "
+        "collective of each group; the others then wait in it).",
     )
     late_share: float = Field(
         0.8, gt=0, le=1,
-        description="Share of the window's collectives one member must enter last for skew to blame it.",
+        description="Share of the window's skewed collectives one member must enter last to be blamed.",
     )
     window: int = Field(
-        32, ge=4, le=100_000, description="Newest collectives per group judged together.")
+        128, ge=4, le=100_000, description="Newest collectives per group judged together (several steps' worth).")
 
 
 def _detector(kind: str, what: str) -> Any:

@@ -43,6 +43,7 @@ from fleet.controlplane.recovery import note_processes, processes_file, take_ove
 from fleet.controlplane.runtime import Agents, Cluster, NodeInfo, Runtime, ray_runtime
 from fleet.controlplane.store import Store
 from fleet.controlplane.supervision import SupervisionConfig
+from fleet.controlplane.topology import Topology
 from fleet.controlplane.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class Controller:
         self.address = ""
         self.metrics_port = 0  # the /metrics endpoint's port once serving; 0 = none
         self._metrics: ControllerMetrics | None = None
+        self._feed: CollectiveMetrics | None = None  # the collective metrics, once served
         self._refresher: MetricsRefresher | None = None
         self._last_message = ""
         self.timings_s: dict[str, float] = {}
@@ -142,7 +144,8 @@ class Controller:
         # a program's ranks do not raise on a NaN loss as the built-in trainer's do: the
         # loss they report through fleet.step is judged instead
         watchdog = Watchdog(self.store, self.job_id, cfg.detect, self._incidents.put,
-                            nan_from_steps=cfg.job.user_program is not None, send=self._registry.send)
+                            nan_from_steps=cfg.job.user_program is not None, send=self._registry.send,
+                            on_watch=self._placed)
         supervisor = AgentSupervisor(self.store, self.job_id, self._registry, agents,
                                      SupervisionConfig(cfg.controller.heartbeat_timeout_s))
         runner = AttemptRunner(
@@ -191,6 +194,11 @@ class Controller:
             self.timings_s["total_s"] = time.monotonic() - t_start
         return result
 
+    def _placed(self, attempt: int, nodes_by_rank: list[str], topology: Topology | None) -> None:
+        """An attempt is placed: the collective metrics rate its groups against the same links."""
+        if self._feed is not None:
+            self._feed.set_nodes(attempt, nodes_by_rank, topology)
+
     def _serve(self, watchdog: Watchdog) -> ControllerServer:
         """Start the gRPC server and the metrics (their refresher, their endpoint), and
         publish how to reach them (controller.json, the Prometheus target file)."""
@@ -198,7 +206,7 @@ class Controller:
         feed = None
         if cfg.controller.metrics:
             self._metrics = ControllerMetrics()
-            feed = CollectiveMetrics(self._metrics.registry, self.job_id)
+            feed = self._feed = CollectiveMetrics(self._metrics.registry, self.job_id)
         server = ControllerServer(
             AgentServicer(self.store, self._registry, self._token, controller_id=f"ctl-{os.getpid()}",
                           metrics=self._metrics, observer=fan_out(watchdog.observe, feed and feed.observe),

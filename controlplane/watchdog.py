@@ -224,7 +224,9 @@ class Watchdog:
     ``send(node, command)``: how a command reaches a node's agent (``AgentRegistry.send``);
     a large job's diagnosis asks the agents for raw entries through it (None: it decides
     on the fronts alone). ``topology``: the links' bandwidths the slow_comm detector rates
-    groups against (None: only arrival skew is judged).
+    groups against (None: only arrival skew is judged); ``watch`` may replace it once the
+    nodes are known. ``on_watch(attempt, nodes_by_rank, topology)``: told of each placed
+    attempt (the metrics' utilization needs the same placement and links).
     """
 
     def __init__(self, store: Store, job_id: str, cfg: DetectConfig, on_incident: Callable[[Incident], None],
@@ -232,7 +234,8 @@ class Watchdog:
                  agent_timeout_s: float = ControllerConfig.model_fields["heartbeat_timeout_s"].default,
                  nan_from_steps: bool = False,
                  send: Callable[[str, events_pb2.Command], None] | None = None,
-                 topology: collective_perf.Topology | None = None) -> None:
+                 topology: collective_perf.Topology | None = None,
+                 on_watch: Callable[[int, list[str], collective_perf.Topology | None], None] | None = None) -> None:
         self._store = store
         self._job_id = job_id
         self._cfg = cfg
@@ -242,6 +245,7 @@ class Watchdog:
         self._nan_from_steps = nan_from_steps
         self._send = send
         self._topology = topology
+        self._on_watch = on_watch
         self._inbox: deque[tuple[int, PreparedBatch]] = deque(maxlen=INBOX_MAX)
         self._lock = threading.RLock()        # the watched state
         self._fire_lock = threading.RLock()   # held while firing; pause() takes it
@@ -276,9 +280,14 @@ class Watchdog:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def watch(self, attempt: int, nodes_by_rank: list[str]) -> None:
+    def watch(self, attempt: int, nodes_by_rank: list[str], topology: collective_perf.Topology | None = None) -> None:
         """Watch ``attempt`` (ranks ``0..len(nodes_by_rank)-1``) from now on: forget the
-        previous attempt, re-arm every detector and resume firing."""
+        previous attempt, re-arm every detector and resume firing. ``topology``: the
+        cluster's, resolved against its nodes (kept for later attempts)."""
+        if topology is not None:
+            self._topology = topology
+        if self._on_watch is not None:
+            self._on_watch(attempt, list(nodes_by_rank), self._topology)
         now = time.monotonic()
         world = max(len(nodes_by_rank), 1)
         with self._fire_lock, self._lock:
