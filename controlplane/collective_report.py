@@ -88,3 +88,17 @@ def attempt_bandwidth(traces: TraceSet, steps: Iterable[Any], rank_node: Mapping
         path = paths.get(row["group"])
         row["link"], row["scope"] = (path.link, path.scope) if path is not None else (None, None)
     return out
+
+
+def stored_attempt_bandwidth(store: Any, job_id: str, attempt: int) -> dict[str, Any] | None:
+    """``attempt_bandwidth`` of a stored attempt (``store``: the Store; read through its
+    domain methods); None for an attempt of a large job, whose raw collectives stayed on
+    the agents (its fronts carry no durations)."""
+    from fleet.controlplane.diagnosis.source import attempt_traces
+
+    if store.count_fronts_of(job_id, attempt):
+        return None
+    placed = {r.rank: r.node for r in store.ranks(job_id, attempt)}
+    traces = attempt_traces(store, job_id, attempt)
+    return attempt_bandwidth(traces, store.steps(job_id, attempt=attempt), placed,
+                             job_topology(store.get_job(job_id).config_json, placed.values()))

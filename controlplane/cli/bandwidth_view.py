@@ -36,6 +36,14 @@ def rate_text(bps: float | None) -> str:
     return f"{bps:.3g} B/s"
 
 
+def _rate(row: dict[str, Any], bps: float | None) -> str:
+    """A row's rate; "-" where its durations were measured but the op moves no rated
+    payload (a barrier, gather, scatter), "not measured" where they were not."""
+    if bps is None and row["measured"]:
+        return "-"
+    return rate_text(bps)
+
+
 def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.3f}"
 
@@ -53,14 +61,14 @@ def print_bandwidth(bw: dict[str, Any] | None, title: str) -> None:
     rows.sort(key=lambda r: (r["group"], r["op"], r["bytes"] if r["bytes"] is not None else -1))
     print_table(
         f"{title}: collective bandwidth (busbw as nccl-tests defines it)",
-        ["group", "n", "op", "size", "#", "measured", "timing", "median ms", "algbw", "busbw (p10-p90)",
+        ["group", "n", "op", "size", "#", "measured", "timing", "median ms", "algbw", "busbw", "busbw p10-p90",
          "util", "skew ms (p90)", "last in"],
         [
             [r["group"] + (f" {r['desc']}" if r["desc"] else ""), r["group_size"], r["op"],
              size_text(r["bytes"], r.get("bucketed", False)), r["collectives"], r["measured"],
-             ",".join(r["timing"]) or "-", _ms(r["t_s"]) if r["measured"] else _NOT, rate_text(r["algbw_bps"]),
-             (f"{rate_text(r['busbw_bps'])} ({rate_text(r['busbw_p10_bps'])}-{rate_text(r['busbw_p90_bps'])})"
-              if r["busbw_bps"] is not None else _NOT),
+             ",".join(r["timing"]) or "-", _ms(r["t_s"]) if r["measured"] else _NOT,
+             _rate(r, r["algbw_bps"]), _rate(r, r["busbw_bps"]),
+             f"{rate_text(r['busbw_p10_bps'])}-{rate_text(r['busbw_p90_bps'])}" if r["busbw_bps"] is not None else "-",
              (f"{_pct(r['utilization'])} of {r['link']}" if r["utilization"] is not None else "-"),
              f"{_ms(r['skew_s'])} ({_ms(r['skew_p90_s'])})",
              "-" if r["last_rank"] is None else f"rank {r['last_rank']} ({_pct(r['last_share'])})"]
@@ -80,7 +88,7 @@ def print_bandwidth(bw: dict[str, Any] | None, title: str) -> None:
         parts = [f"{_pct(comm[len(comm) // 2])} of its members' time (median; {_pct(comm[0])}-{_pct(comm[-1])})"]
         if exposed:
             parts.append(f"exposed {_pct(sorted(exposed)[len(exposed) // 2])}")
-        if overlap:
+        if any(overlap):
             parts.append(f"async/NCCL {_pct(sorted(overlap)[len(overlap) // 2])} (overlap with compute not known)")
         console.print(f"group {g['group']}{(' ' + g['desc']) if g['desc'] else ''}: collectives take "
                       + ", ".join(parts), highlight=False, soft_wrap=True)

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from fleet.controlplane.cli.bandwidth_view import print_bandwidth
 from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StoreOpt, open_store
 from fleet.controlplane.cli.render import (
     console,
@@ -27,11 +28,16 @@ def report(
     """ETTR (productive step time / wall time), lost time by category, wall time by
     attempt, incidents with their detection and recovery times, exit codes and
     tracebacks, what observed incidents would have done (detect.<kind>.action: observe), silent data corruption (checks, triage, verdict, rollback point),
-    restarts, quarantines and, with a topology, why each attempt's nodes were chosen."""
+    restarts, quarantines, with a topology why each attempt's nodes were chosen, and the
+    newest attempt's collective bandwidth (measured durations only)."""
+    from fleet.controlplane.collective_report import stored_attempt_bandwidth
     from fleet.controlplane.report import load_report
 
     with open_store(store, cluster) as st, progress(f"reading job {job_id} ..."):  # a long job's rows take a while
         out = load_report(st, job_id, time.time())
+        last = out["attempts_detail"][-1]["number"] if out["attempts_detail"] else None
+        # the newest attempt's collectives: what the job's groups run at now
+        out["bandwidth"] = stored_attempt_bandwidth(st, job_id, last) if last is not None else None
     if json_out:
         print_json(out)
         return
@@ -83,6 +89,8 @@ def report(
         console.print(f"placement of attempt {p['attempt']}:", highlight=False)
         for reason in p["reasons"].split("; "):
             console.print(f"  {reason}", highlight=False)
+    if out["bandwidth"] is not None:
+        print_bandwidth(out["bandwidth"], f"attempt {out['attempts_detail'][-1]['number']}")
     if out["checkpoints"]:
         console.print("checkpoints: " + ", ".join(
             f"step {c['step']}" + ("" if c["valid"] else " [red]INVALID[/]") for c in out["checkpoints"]),
