@@ -93,8 +93,10 @@ def test_a_late_rank_and_a_slow_group_are_reported_once_per_attempt(store: Store
         got = incidents.wait(2, timeout_s=20)
         assert [(i.kind, i.rank, i.node) for i in got] == [
             (IncidentKind.SLOW_COMM, 1, "node-1"), (IncidentKind.SLOW_COMM, -1, "")]
-        assert "rank 1 (node-1) entered last in 4/4, median skew 0.10 s" in got[0].evidence
-        # 1 MiB in 1 ms x 2(n-1)/n = 1.0 GB/s of a 100 GB/s link
+        # every collective skewed by exactly skew_s (0.1 s): MIN_SKEWED of them in the window of 4
+        assert ("rank 1 (node-1) entered last in 4 of the 4 collectives of the last 4 whose arrival skew was >= "
+                "detect.slow_comm.skew_s 0.1 s (median 0.10 s): a late rank") in got[0].evidence
+        # exactly min_bytes (1 MiB) in 1 ms x 2(n-1)/n = 1.0 GB/s of a 100 GB/s link
         assert "median busbw 1.0 GB/s = 0.01 of the node link (800 Gbit/s)" in got[1].evidence
         feed(store, wd, job, 1, range(4, 8), 0)            # the same again: judged, already reported
         assert incidents.wait(3, timeout_s=JUDGE_EVERY_S + 5 * CFG.interval_s) == got

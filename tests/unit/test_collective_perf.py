@@ -1,16 +1,18 @@
 """The slow_comm detector and the collective bandwidth metrics: ``CommTracker`` fed literal
 rows (exact bus bandwidth, skew, last arriver; what is never rated; its memory bound),
-``judge_slow_comm`` on literal windows (each cause named, healthy groups left alone, the
-thresholds' boundaries, no topology), and the gauges ``CollectiveMetrics`` publishes from
+``judge_slow_comm`` on literal windows (each cause named; a rank late once per step named
+from the window's few skewed collectives; healthy noise, small messages and sparse windows
+left alone; the thresholds' boundaries; no topology), and the gauges ``CollectiveMetrics`` publishes from
 real ``CollectiveColumns`` blocks, checked by promtool."""
 
 from __future__ import annotations
 
 import logging
+import random
 import shutil
 import subprocess
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import pytest
@@ -19,12 +21,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 from fleet.controlplane.collective_metrics import CollectiveMetrics
 from fleet.controlplane.collective_perf import (
     JUDGE_EVERY_S,
+    MIN_RATED_SHARE,
+    MIN_SKEWED,
     CommSample,
     CommTracker,
+    SlowComm,
     SlowCommMonitor,
     format_bytes,
     format_ranks,
     judge_slow_comm,
+    median_skew_s,
 )
 from fleet.controlplane.config import SlowCommSettings
 from fleet.controlplane.store.ingest import prepare
@@ -173,20 +179,39 @@ class Topo:
 NODES8 = ["node-0", "node-0", "node-1", "node-1", "node-2", "node-2", "node-3", "node-3"]  # rank -> node
 TWO_RACKS = Topo({"node-0": "r1", "node-1": "r1", "node-2": "r2", "node-3": "r2"}, uplink_bps=800e9 / 8,
                  node_bps=1600e9 / 8)
-CFG = SlowCommSettings()  # min_utilization 0.5, skew_s 0.05, late_share 0.8, window 32
+CFG = SlowCommSettings()  # min_utilization 0.5, min_bytes 1 MiB, skew_s 0.1, late_share 0.8, window 128
+W = CFG.window
 
 
-def window(group: str, *, busbw: float | None, skew_s: float = 0.001, lasts: Iterable[int] | None = None,
-           op: str = "all_gather", nbytes: int = 4 << 20, n: int = 8, count: int = 32) -> list[CommSample]:
-    last = list(lasts) if lasts is not None else [i % n for i in range(count)]  # no one always last
-    return [CommSample(group, seq, op, nbytes, n, None if busbw is None else 0.001, busbw, skew_s, last[seq])
+def window(group: str, *, busbw: float | None, op: str = "all_gather", nbytes: int = 4 << 20, n: int = 8,
+           count: int = W) -> list[CommSample]:
+    """``count`` collectives of ``group``, each measured at ``busbw`` bytes/s (None: not measured),
+    1 ms of arrival skew, each member last in turn (no one always last)."""
+    return [CommSample(group, seq, op, nbytes, n, None if busbw is None else 0.001, busbw, 0.001, seq % n)
             for seq in range(count)]
 
 
+def skewed(samples: list[CommSample], lasts: Sequence[int], skew_s: float, every: int = 1) -> list[CommSample]:
+    """``samples`` with ``len(lasts)`` of them (every ``every``-th from the first) skewed by
+    ``skew_s`` seconds, ``lasts[i]`` entering the i-th of them last."""
+    out = list(samples)
+    for i, last in enumerate(lasts):
+        out[i * every] = replace(out[i * every], skew_s=skew_s, last_rank=last)
+    return out
+
+
+def test_the_defaults_the_boundaries_below_rely_on() -> None:
+    assert (CFG.min_utilization, CFG.min_bytes, CFG.skew_s, CFG.late_share, CFG.window) == (0.5, 1 << 20, 0.1,
+                                                                                            0.8, 128)
+    assert (MIN_SKEWED, MIN_RATED_SHARE) == (4, 4)
+
+
 def test_a_late_rank_is_named_with_its_node() -> None:
-    windows = {"3": window("3", busbw=60e9, skew_s=0.21, lasts=[5] * 30 + [1, 2]),
-               "4": window("4", busbw=60e9, skew_s=0.3, lasts=[5] * 26 + [0] * 6),
+    # 8 collectives per step per group: rank 5 is late for the first of most steps, then on time
+    windows = {"3": skewed(window("3", busbw=60e9), [5] * 15 + [1], 0.21, every=8),
+               "4": skewed(window("4", busbw=60e9), [5] * 13 + [0] * 3, 0.3, every=8),
                "5": window("5", busbw=60e9)}
+    assert median_skew_s(windows["3"]) == 0.001            # the median over all collectives shows nothing
     members = {"3": range(8), "4": range(8), "5": range(8)}
     [f] = judge_slow_comm(windows, members, NODES8, TWO_RACKS, CFG)
     assert (f.cause, f.subject, f.key) == ("late_rank", "5", ("late_rank", "5"))
@@ -194,8 +219,53 @@ def test_a_late_rank_is_named_with_its_node() -> None:
         IncidentKind.SLOW_COMM, "slow_comm", 5, "node-2")
     assert f.incident.evidence == (
         "group 3 (all_gather 4.0 MiB over ranks 0-7): median busbw 60.0 GB/s = 0.60 of rack r2 uplink "
-        "(800 Gbit/s); rank 5 (node-2) entered last in 30/32, median skew 0.21 s (detect.slow_comm.skew_s "
-        "0.05 s): a late rank; also last in group 4 (26/32)")
+        "(800 Gbit/s); rank 5 (node-2) entered last in 15 of the 16 collectives of the last 128 whose arrival "
+        "skew was >= detect.slow_comm.skew_s 0.1 s (median 0.21 s): a late rank, the others wait for it; "
+        "also last in group 4 (13/16)")
+
+
+def test_a_rank_late_once_per_step_is_named_once_the_window_holds_four_such_steps() -> None:
+    """16 collectives per step on one group of 4 ranks; rank 2 enters the step's first one 0.3 s
+    late and the other 15 on time (the others waited for it in the first): 1 in 16 is skewed."""
+    rng = random.Random(19)
+    monitor = SlowCommMonitor("j", 1, ["node-0", "node-0", "node-1", "node-1"], None, CFG)
+    seqs = iter(range(1, 10_000))
+
+    def step(k: int, late: bool) -> list[SlowComm]:
+        rows = []
+        for i, seq in zip(range(16), seqs):
+            for r in range(4):
+                enter_ms = 10_000.0 * k + 20.0 * i + rng.uniform(0.0, 2.0)   # members within 2 ms
+                rows.append(row(r, seq, enter_ms + (300.0 if late and i == 0 and r == 2 else 0.0), 1.0))
+        monitor.add(rows)
+        return monitor.judge(now=10.0 * k)
+
+    assert [f for k in range(8) for f in step(k, late=False)] == []      # a full window of healthy steps
+    assert [f for k in range(8, 11) for f in step(k, late=True)] == []   # 3 skewed collectives: too few
+    [f] = step(11, late=True)
+    assert (f.cause, f.incident.rank, f.incident.node) == ("late_rank", 2, "node-1")
+    assert "rank 2 (node-1) entered last in 4 of the 4 collectives of the last 128 whose arrival skew was >= " \
+           "detect.slow_comm.skew_s 0.1 s (median 0.30 s)" in f.incident.evidence
+    skews = [s.skew_s for s in monitor.tracker.windows["0"]]
+    assert len(skews) == W and sum(s >= CFG.skew_s for s in skews) == 4
+    assert median_skew_s(monitor.tracker.windows["0"]) < 0.01           # what the median alone would see
+
+
+def test_healthy_noise_and_too_few_skewed_collectives_name_no_one() -> None:
+    members = {"dp": tuple(range(8)), "ep": (0, 2, 4, 6)}
+    for seed in range(20):
+        rng = random.Random(seed)
+        windows = {g: [CommSample(g, seq, "all_reduce", 4 << 20, len(ranks), 0.001, 90e9,
+                                  rng.uniform(0.0, 0.0999), rng.choice(ranks)) for seq in range(W)]
+                   for g, ranks in members.items()}
+        spots = rng.sample(range(W), MIN_SKEWED)
+        late = windows["dp"]
+        for i in spots[:-1]:                   # MIN_SKEWED - 1 skewed collectives, all rank 3's
+            late[i] = replace(late[i], skew_s=rng.uniform(CFG.skew_s, 2.0), last_rank=3)
+        assert judge_slow_comm(windows, members, NODES8, TWO_RACKS, CFG) == [], seed
+        late[spots[-1]] = replace(late[spots[-1]], skew_s=CFG.skew_s, last_rank=3)   # the fourth
+        assert [f.key for f in judge_slow_comm(windows, members, NODES8, TWO_RACKS, CFG)] == [
+            ("late_rank", "3")], seed
 
 
 def test_a_slow_node_is_named_where_healthy_groups_of_its_size_do_not_reach() -> None:
@@ -240,36 +310,66 @@ def test_nodes_always_in_the_same_slow_groups_are_not_told_apart() -> None:
     assert "no single node explains it: the group's own links (rack scope)" in found[0].incident.evidence
 
 
-def test_healthy_groups_and_short_or_unmeasured_windows_are_not_flagged() -> None:
-    members = {"ok": tuple(range(8)), "short": tuple(range(8)), "mixed": tuple(range(8))}
-    mixed = window("mixed", busbw=1e9)
-    mixed[7] = window("mixed", busbw=None)[7]                   # one collective not measured on every member
-    windows = {"ok": window("ok", busbw=90e9), "short": window("short", busbw=1e9, skew_s=1.0, lasts=[3] * 31,
-                                                               count=31), "mixed": mixed}
+def test_healthy_groups_and_short_or_sparsely_measured_windows_are_not_flagged() -> None:
+    members = {"ok": tuple(range(8)), "short": tuple(range(8)), "sparse": tuple(range(8))}
+    rated = W // MIN_RATED_SHARE - 1                          # under a quarter measured: utilization unknown
+    windows = {"ok": window("ok", busbw=90e9),
+               "short": skewed(window("short", busbw=1e9, count=W - 1), [3] * (W - 1), 1.0),
+               "sparse": window("sparse", busbw=1e9)[:rated] + window("sparse", busbw=None)[rated:]}
     assert judge_slow_comm(windows, members, NODES8, TWO_RACKS, CFG) == []
+
+
+def test_small_messages_never_put_a_group_below_its_floor() -> None:
+    members = {"x": tuple(range(8)), "tp": (6, 7)}
+    rng = random.Random(19)
+    for nbytes in (4, 4 << 10, 256 << 10, CFG.min_bytes - 1):
+        # latency-bound: a tiny busbw, far below every link on the path
+        windows = {g: [replace(s, busbw=rng.uniform(1e3, 1e8)) for s in window(g, busbw=1.0, nbytes=nbytes,
+                                                                                  n=len(ranks))]
+                   for g, ranks in members.items()}
+        assert judge_slow_comm(windows, members, NODES8, TWO_RACKS, CFG) == [], nbytes
+        # the size alone spares them: rated at any size, node-3 (tp's only node, and in x) is blamed
+        found = judge_slow_comm(windows, members, NODES8, TWO_RACKS, SlowCommSettings(min_bytes=0))
+        assert [f.key for f in found] == [("slow_node", "node-3")], nbytes
 
 
 def test_the_thresholds_boundaries() -> None:
     members = {"g": (0, 2)}
     topo = Topo(dict.fromkeys(set(NODES8), "r1"))             # the node link: 50 GB/s
-    at_floor = {"g": window("g", busbw=25e9, n=2)}                # exactly min_utilization: not below
-    assert judge_slow_comm(at_floor, members, NODES8, topo, CFG) == []
-    under = {"g": window("g", busbw=24.9e9, n=2)}
-    assert [f.cause for f in judge_slow_comm(under, members, NODES8, topo, CFG)] == ["slow_group"]
-    off = SlowCommSettings(min_utilization=0)
-    assert judge_slow_comm(under, members, NODES8, topo, off) == []
 
-    cfg = SlowCommSettings(window=10, late_share=0.8, skew_s=0.05)
-    def late(skew_s: float, last_in: int) -> list:
-        w = {"g": window("g", busbw=None, n=2, count=10, skew_s=skew_s, lasts=[1] * last_in + [0] * (10 - last_in))}
-        return [(f.cause, f.incident.rank) for f in judge_slow_comm(w, members, NODES8, None, cfg)]
-    assert late(0.05, 8) == [("late_rank", 1)]                    # exactly skew_s and late_share: flagged
-    assert late(0.0499, 8) == []
-    assert late(0.05, 7) == []
+    def flagged(samples: list[CommSample], cfg: SlowCommSettings = CFG) -> list[str]:
+        return [f.cause for f in judge_slow_comm({"g": samples}, members, NODES8, topo, cfg)]
+
+    assert flagged(window("g", busbw=25e9, n=2)) == []                  # exactly min_utilization: not below
+    assert flagged(window("g", busbw=24.9e9, n=2)) == ["slow_group"]
+    assert flagged(window("g", busbw=24.9e9, n=2), SlowCommSettings(min_utilization=0)) == []
+    assert flagged(window("g", busbw=1e9, n=2, nbytes=CFG.min_bytes)) == ["slow_group"]   # exactly min_bytes
+    assert flagged(window("g", busbw=1e9, n=2, nbytes=CFG.min_bytes - 1)) == []
+
+    def mixed(rated: int, busbw: float) -> list[CommSample]:
+        """``rated`` large collectives at ``busbw``, the rest small ones at 1 MB/s."""
+        return window("g", busbw=busbw, n=2)[:rated] + window("g", busbw=1e6, n=2, nbytes=64 << 10)[rated:]
+
+    quarter = W // MIN_RATED_SHARE
+    assert flagged(mixed(quarter, 24.9e9)) == ["slow_group"]            # exactly a quarter rated
+    assert flagged(mixed(quarter - 1, 24.9e9)) == []
+    assert flagged(mixed(quarter, 40e9)) == []                           # the median is of the large ones
+
+    def late(n_skewed: int, last_in: int, skew_s: float = CFG.skew_s) -> list[tuple[str, int]]:
+        samples = skewed(window("g", busbw=None, n=2), [1] * last_in + [0] * (n_skewed - last_in), skew_s, every=3)
+        return [(f.cause, f.incident.rank) for f in judge_slow_comm({"g": samples}, members, NODES8, None, CFG)]
+
+    assert late(MIN_SKEWED, MIN_SKEWED) == [("late_rank", 1)]           # exactly MIN_SKEWED at exactly skew_s
+    assert late(MIN_SKEWED - 1, MIN_SKEWED - 1) == []
+    assert late(MIN_SKEWED, MIN_SKEWED, skew_s=0.0999) == []
+    assert late(10, 8) == [("late_rank", 1)]                             # exactly late_share of the skewed
+    assert late(10, 7) == []
+    assert late(5, 4) == [("late_rank", 1)]
+    assert late(5, 3) == []
 
 
 def test_without_a_topology_only_skew_is_judged() -> None:
-    windows = {"g": window("g", busbw=1e6, skew_s=0.5, lasts=[7] * 32)}
+    windows = {"g": skewed(window("g", busbw=1e6), [7] * 8, 0.5, every=16)}
     found = judge_slow_comm(windows, {"g": tuple(range(8))}, NODES8, None, CFG)
     assert [(f.cause, f.incident.rank, f.incident.node) for f in found] == [("late_rank", 7, "node-3")]
     assert "busbw" not in found[0].incident.evidence
