@@ -8,12 +8,14 @@ all_reduce and all_gather at S = 1 KiB, 4 KiB, ... 64 MiB (nccl-tests' S) the wo
 times ``--reps`` repetitions of N back-to-back calls with ``time.perf_counter()``
 (nccl-tests' method). Per (op, S):
 
-  * loop: ``t`` = the median over repetitions of the slowest rank's repetition / N;
-    busbw = S / t x bus factor (``diagnosis.bandwidth.bus_factor``);
+  * loop: ``t`` = the slowest rank's time over all repetitions / all their N calls (a
+    mean per call, as nccl-tests reports); busbw = S / t x bus factor
+    (``diagnosis.bandwidth.bus_factor``);
   * fleet: ``diagnosis.bandwidth.analyse`` over the attempt's stored traces, the row of
-    (op, S) on the world group: the median over collectives of S / t x bus factor, with
-    t the smallest measured duration among the members (the last arriver's call to its
-    return, timed by fleet's wrapper of the torch.distributed call). Both sides drop
+    (op, S) on the world group: its collectives' summed S over their summed t, x bus
+    factor (a mean time per call too), with t the smallest measured duration among the
+    members (the last arriver's call to its return, timed by fleet's wrapper of the
+    torch.distributed call). Both sides drop
     the warm-up: fleet's traces are cut to the collectives every rank entered inside its
     timed repetitions (``fleet_all`` in the table: the whole run's row, warm-up included).
   * rel error = |fleet - loop| / loop (target: within 10% at every size).
@@ -21,10 +23,9 @@ times ``--reps`` repetitions of N back-to-back calls with ``time.perf_counter()`
 What the two figures differ by, by construction: the loop's time per call also holds
 the Python loop and the wrapper's own cost between two calls and the barrier's release
 skew spread over N; fleet's holds the call only. The table shows both times per call
-(us) and their difference. And the statistic: the loop's time is a mean over N calls,
-analyse's a median over collectives; where the call times are heavy-tailed (a loaded
-machine) the two part however exact the data. ``mean t`` / ``err mean`` rate the same
-traces by the mean of their per-collective times instead, to tell which it is.
+(us) and their difference. Both are means: where call times are heavy-tailed (a loaded
+machine) a median would part from the loop however exact the data. ``mean t`` /
+``err mean`` recompute the mean from the traces outside ``analyse``, as a check of it.
 
 Also the analytics' cost: ``bench_analytics(512, 2000)`` (synthetic, ~1M rank-entries)
 and ``analyse`` on this run's real traces, both as seconds per million rank-entries
@@ -124,8 +125,8 @@ def read_ranks(out: Path) -> tuple[dict[int, list[dict]], dict[int, Counter]]:
 
 
 def loop_figures(rows: dict[int, list[dict]]) -> dict[tuple[str, int], dict[str, Any]]:
-    """Per (op, S): N, the world size and t (s per call): the median over repetitions of
-    the slowest rank's repetition / N."""
+    """Per (op, S): N, the world size and t (s per call): the sum over repetitions of the
+    slowest rank's repetition, over all the repetitions' calls (a mean per call)."""
     ranks = sorted(rows)
     out = {}
     for i, first in enumerate(rows[ranks[0]]):
@@ -135,7 +136,7 @@ def loop_figures(rows: dict[int, list[dict]]) -> dict[tuple[str, int], dict[str,
         n = first["n"]
         per_rep = [max(r["reps"][k] for r in per_rank) / n for k in range(len(first["reps"]))]
         out[(first["op"], first["bytes"])] = {"n": n, "reps": len(per_rep), "world": first["world"],
-                                              "t_s": statistics.median(per_rep)}
+                                              "t_s": statistics.fmean(per_rep)}
     return out
 
 
@@ -182,8 +183,7 @@ def fleet_rows(traces: TraceSet, group: str) -> dict[tuple[str, int], Any]:
 
 def mean_times(traces: TraceSet, group: str, world: int) -> dict[tuple[str, int], float]:
     """Per (op, S): the *mean* over collectives of the smallest measured member duration
-    (s), from the same traces ``analyse`` rates by their median: the statistic a timed
-    loop (total time / N) takes, to tell a difference of statistic from one of data."""
+    (s), from the same traces, computed outside ``analyse``: a check of its figure."""
     per_seq: dict[int, list[int]] = {}
     sig_of: dict[int, int] = {}
     for trace in traces.ranks.values():
@@ -276,7 +276,7 @@ def evaluate(a: argparse.Namespace, work: Path, job_id: str) -> dict[str, Any]:
     synthetic_s = bench_analytics(512, 2000)
 
     print(f"\n{world} ranks ({a.nodes} nodes x {a.ranks_per_node}), gloo, float32; busbw in GB/s; "
-          "t per call in us (loop: median rep / N, slowest rank; fleet: median of the last arriver's call)")
+          "t per call in us (loop: all reps / all calls, slowest rank; fleet: mean of the last arriver's call)")
     print(f"{'op':<11}{'size':>8}{'N':>5}{'reps':>5}{'loop':>10}{'fleet':>10}{'fleet_all':>10}{'rel err':>9}"
           f"{'loop t':>10}{'fleet t':>10}{'diff':>9}{'mean t':>10}{'err mean':>9}{'measured':>10}")
     out: dict[str, Any] = {"ranks": world, "sizes_bytes": sorted({s for _, s in loop})}

@@ -61,7 +61,7 @@ def print_bandwidth(bw: dict[str, Any] | None, title: str) -> None:
     rows.sort(key=lambda r: (r["group"], r["op"], r["bytes"] if r["bytes"] is not None else -1))
     print_table(
         f"{title}: collective bandwidth (busbw as nccl-tests defines it)",
-        ["group", "n", "op", "size", "#", "measured", "timing", "median ms", "algbw", "busbw", "busbw p10-p90",
+        ["group", "n", "op", "size", "#", "measured", "timing", "mean ms", "algbw", "busbw", "busbw p10-p90",
          "util", "skew ms (p90)", "last in"],
         [
             [r["group"] + (f" {r['desc']}" if r["desc"] else ""), r["group_size"], r["op"],

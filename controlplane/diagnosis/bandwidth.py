@@ -174,9 +174,9 @@ class BandwidthRow:
     collectives: int
     measured: int                  # with a measured duration on every member
     timing: tuple[Timing, ...]     # sources of the durations used
-    t_s: float | None              # median duration
-    algbw_bps: float | None        # median S / t
-    busbw_bps: float | None        # median algbw x bus_factor
+    t_s: float | None              # mean duration
+    algbw_bps: float | None        # sum of S / sum of t (a mean time per byte, as nccl-tests averages)
+    busbw_bps: float | None        # algbw x bus_factor
     busbw_p10_bps: float | None
     busbw_p90_bps: float | None
     skew_s: float | None           # median arrival skew: first to last member entering
@@ -406,10 +406,15 @@ def _analyse_group(name: str, desc: str, members: tuple[int, ...], c: _Columns, 
     busbw = algbw * factors[row_of] if n_rows else algbw
     rated = measured & ~np.isnan(busbw)
 
-    t_q = _grouped_quantiles(row_of[measured], t_s[measured], n_rows, (0.5,))
+    # as nccl-tests reports a size: the bytes over the time, summed over the row's
+    # collectives (a mean duration: a heavy tail counts, as it does in a timed loop);
+    # the spread is the per-collective busbw's 10th and 90th percentiles
+    t_sum = np.bincount(row_of[measured], weights=t_s[measured], minlength=n_rows)
     alg_ok = measured & ~np.isnan(algbw)  # algbw needs no bus factor (a group of one has none)
-    alg_q = _grouped_quantiles(row_of[alg_ok], algbw[alg_ok], n_rows, (0.5,))
-    bus_q = _grouped_quantiles(row_of[rated], busbw[rated], n_rows, (0.5, 0.1, 0.9))
+    s_sum = np.bincount(row_of[alg_ok], weights=size[alg_ok].astype(np.float64), minlength=n_rows)
+    st_sum = np.bincount(row_of[alg_ok], weights=t_s[alg_ok], minlength=n_rows)
+    bus_q = _grouped_quantiles(row_of[rated], busbw[rated], n_rows, (0.1, 0.9))
+    rated_rows = np.bincount(row_of[rated], minlength=n_rows)
     skew_q = _grouped_quantiles(row_of, skew_s, n_rows, (0.5, 0.9))
     last_r, last_c = _most_frequent(row_of, last_rank, n_rows)
     row_counts = np.bincount(row_of, minlength=n_rows)
@@ -419,13 +424,15 @@ def _analyse_group(name: str, desc: str, members: tuple[int, ...], c: _Columns, 
     rows = []
     for i in range(n_rows):
         k = row_order[row_start[i]]
-        busbw_med = _f(bus_q[0, i])
+        algbw_row = s_sum[i] / st_sum[i] if st_sum[i] > 0 else None
+        busbw_med = algbw_row * factors[i] if algbw_row is not None and rated_rows[i] else None
         rows.append(BandwidthRow(
             group=name, desc=desc, group_size=n, op=cache.ops[int(op[k])],
             bytes=int(row_size[k]) if row_size[k] >= 0 else None,
             collectives=int(row_counts[i]), measured=int(row_measured[i]), timing=row_timings[i],
-            t_s=_f(t_q[0, i]), algbw_bps=_f(alg_q[0, i]), busbw_bps=busbw_med,
-            busbw_p10_bps=_f(bus_q[1, i]), busbw_p90_bps=_f(bus_q[2, i]),
+            t_s=float(t_sum[i] / row_measured[i]) if row_measured[i] else None,
+            algbw_bps=_f(algbw_row) if algbw_row is not None else None, busbw_bps=_f(busbw_med) if busbw_med is not None else None,
+            busbw_p10_bps=_f(bus_q[0, i]), busbw_p90_bps=_f(bus_q[1, i]),
             skew_s=_f(skew_q[0, i]), skew_p90_s=_f(skew_q[1, i]),
             last_rank=int(last_r[i]), last_share=float(last_c[i] / row_counts[i]),
             utilization=busbw_med / link if busbw_med is not None and link and link > 0 else None,

@@ -375,3 +375,19 @@ def test_a_million_rank_entries_in_seconds():
     seconds = bench_analytics(512, 2000)
     print(f"bandwidth analytics: 512 ranks x 2000 collectives in {seconds:.2f} s")
     assert seconds < 6.0
+
+
+def test_a_rows_bandwidth_is_its_bytes_over_its_time_as_a_timed_loop_reports_it():
+    """nccl-tests times N back-to-back ops and divides: a mean. One slow collective in four
+    weighs on the row's busbw as it does on such a loop; the spread shows in p10/p90."""
+    table = SignatureTable()
+    sig = all_reduce_4mib(table)
+    durations = {1: MS, 2: MS, 3: MS, 4: 5 * MS}
+    entries = {r: [(s, sig, s * 100 * MS, d, WRAPPER) for s, d in durations.items()] for r in range(4)}
+    [row] = analyse(traces_of(table, entries)).rows
+    size = 4 << 20
+    assert row.t_s == pytest.approx(2e-3)  # (1 + 1 + 1 + 5) / 4 ms
+    assert row.algbw_bps == pytest.approx(4 * size / 8e-3)
+    assert row.busbw_bps == pytest.approx(4 * size / 8e-3 * 1.5)
+    assert row.busbw_p90_bps == pytest.approx(size / 1e-3 * 1.5)  # the fast three
+    assert row.busbw_p10_bps < row.busbw_bps < row.busbw_p90_bps
