@@ -223,7 +223,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=21, help="timed repetitions per (op, S)")
     p.add_argument("--rep-s", type=float, default=0.02, help="aimed wall time of one repetition, s")
     p.add_argument("--max-collectives", type=int, default=630, help="timed calls per (op, S) at most")
-    p.add_argument("--ring", type=int, default=16384, help="job.flight_recorder_entries")
+    p.add_argument("--ring", type=int, default=2048, help="job.flight_recorder_entries")
     p.add_argument("--min-bytes", type=int, default=1 << 10)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
     p.add_argument("--timeout-s", type=float, default=900.0)
