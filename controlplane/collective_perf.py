@@ -265,10 +265,11 @@ def judge_slow_comm(windows: Mapping[str, Sequence[CommSample]], members: Mappin
     ``members``: group -> its global ranks; ``nodes[r]``: rank r's node; ``topology`` None:
     utilization is unknown and only skew is judged. A group is
 
-      * late (``late_rank``): median skew >= ``skew_s`` and one member entered last in
-        >= ``late_share`` of the window: that rank and its node (one finding per rank,
-        naming each group it is late in);
-      * below its floor: a window measured throughout whose median busbw is below
+      * late (``late_rank``): at least ``MIN_SKEWED`` of the window's collectives have a
+        skew >= ``skew_s`` and one member entered last in >= ``late_share`` of those: that
+        rank and its node (one finding per rank, naming each group it is late in);
+      * below its floor: the median busbw of the window's measured samples of >=
+        ``min_bytes`` (at least 1/``MIN_RATED_SHARE`` of the window) is below
         ``min_utilization`` x the slowest link of its path (``min_utilization`` 0 or no
         path: never). Blamed on a node (``slow_node``) when it is the group's only node,
         or when it is in two or more groups below the floor and in none of the healthy
