@@ -16,8 +16,9 @@ new attempt resets them: ``start_attempt``). Histograms take every row of the jo
 - ``fleet_step_duration_seconds{job_id}``: every rank's ``step_time_s``.
 - ``fleet_tokens_per_second{job_id}``: sum over ranks of their newest step's tokens/s;
   ``fleet_loss{job_id}``: mean over ranks of their newest step's loss.
-- ``fleet_collective_duration_seconds{job_id,op,timing}``: enter -> exit of each completed
-  collective; ``timing`` is ``measured``, or ``poll_upper_bound`` when the exit is the
+- ``fleet_collective_duration_seconds{job_id,op,timing}``: each completed collective's
+  measured duration (``duration_ns``), else enter -> exit; ``timing`` is ``measured``, or
+  ``poll_upper_bound`` when the exit is the
   reporter's poll time (gloo's native entries, ``exit_estimated``): an upper bound,
   never mixed with measured ones.
 - ``fleet_collective_arrival_lag_seconds{job_id,rank}``: per rank, the mean over its last
@@ -336,14 +337,15 @@ class CollectiveMetrics:
         cols = self._columns(blocks)
         if cols is None:
             return
-        attempt, enter, exit_ns, done, estimated, op, group, seq, size, rank = cols
+        attempt, enter, exit_ns, done, estimated, op, group, seq, size, rank, dur = cols
         newest = int(attempt.max())
         if newest > self._attempt:
             self._new_attempt(newest)
         self._rate(blocks)
         done &= exit_ns > 0
         if done.any():
-            seconds = np.maximum(exit_ns[done] - enter[done], 0) / 1e9
+            # the measured duration where there is one (a wrapper's window, NCCL's device time)
+            seconds = np.where(dur[done] > 0, dur[done], np.maximum(exit_ns[done] - enter[done], 0)) / 1e9
             ops, est = op[done], estimated[done]
             any_estimated = bool(est.any())
             for code in np.unique(ops).tolist():
@@ -387,7 +389,7 @@ class CollectiveMetrics:
     def _columns(self, blocks: list[events_pb2.CollectiveColumns]) -> tuple[np.ndarray, ...] | None:
         """This job's rows of ``blocks`` as arrays: attempt, enter_ns, exit_ns, completed,
         exit_estimated, op (a code into ``_op_names``, canonical), group (a code into
-        ``_group_names``), seq, group_size, rank. None without any."""
+        ``_group_names``), seq, group_size, rank, duration_ns (0: not measured). None without any."""
         parts: list[tuple[np.ndarray, ...]] = []
         for block in blocks:
             strings = list(block.strings)
@@ -401,7 +403,9 @@ class CollectiveMetrics:
                     table[np.asarray(block.state, dtype=np.int64), 1].astype(bool),
                     np.asarray(block.exit_estimated, dtype=bool), table[np.asarray(block.op, dtype=np.int64), 2],
                     table[np.asarray(block.group, dtype=np.int64), 3], np.asarray(block.seq, dtype=np.int64),
-                    np.asarray(block.group_size, dtype=np.int64), np.asarray(block.rank, dtype=np.int64))
+                    np.asarray(block.group_size, dtype=np.int64), np.asarray(block.rank, dtype=np.int64),
+                    np.asarray(block.duration_ns, dtype=np.int64) if len(block.duration_ns) else
+                    np.zeros(len(block.job_id), dtype=np.int64))
             parts.append(part if job.all() else tuple(c[job.astype(bool)] for c in part))
         if not parts:
             return None
