@@ -13,6 +13,7 @@ own recorder reach them, and reports one window per call:
     -- the thread waited all of it, so all of it is exposed;
   * ``async_op=True``: from the call to the completion of its ``Work``'s future (a
     callback on the backend's thread), ``Timing.ASYNC`` -- the thread was free meanwhile.
+    Reported twice: opened at the call (``exit_ns`` 0), closed by the callback.
 
 ``NativeFlightTail`` attaches each window to the native entry it contains (same group,
 ``enter <= time_created_ns <= exit``). What no wrapper sees -- DDP's C++ reducer,
@@ -46,7 +47,7 @@ from fleet.proto.kinds import Timing
 
 log = logging.getLogger(__name__)
 
-#: (group name, enter_ns, exit_ns, Timing wire number)
+#: (group name, enter_ns, exit_ns (0: an async op opened, not done yet), Timing wire number)
 Sink = Callable[[str, int, int, int], None]
 
 #: The collectives timed, by their ``torch.distributed`` names.
@@ -138,10 +139,12 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _report(sink, gname, enter_ns, time.time_ns(), _WRAPPER)
             return result
         try:
-            result.get_future().add_done_callback(
-                lambda _f: _report(sink, gname, enter_ns, time.time_ns(), _ASYNC))
+            future = result.get_future()
         except Exception:  # noqa: BLE001 - a Work without a future: not measured
-            pass
+            return result
+        # opened now, closed by the callback: an entry the tail reads in between waits for it
+        _report(sink, gname, enter_ns, 0, _ASYNC)
+        future.add_done_callback(lambda _f: _report(sink, gname, enter_ns, time.time_ns(), _ASYNC))
         return result
 
     return timed
