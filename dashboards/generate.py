@@ -320,6 +320,17 @@ def collectives(t: Thresholds) -> dashboard.Dashboard:
             ts("Collectives / s", [q(f"sum by ({by_op}) (rate(fleet_collective_duration_seconds_count{{{J}}}"
                                      "[$__rate_interval]))", "{{op}} ({{timing}})")], w=8),
         ]),
+        ("Bandwidth", [
+            ts("Bus bandwidth by group and op", [q(f"fleet_collective_busbw_bytes_per_second{{{J}}}",
+                                                   "group {{group}} {{op}}")], unit="Bps", w=12,
+               desc="Median bus bandwidth (nccl-tests' definition) of each group's recent collectives whose "
+                    "duration was measured on every member (blocking calls on gloo, NCCL's timing). With a "
+                    "topology, fleet_collective_utilization_ratio is it over the group's slowest link."),
+            ts("Arrival skew by group", [q(f"fleet_collective_arrival_skew_seconds{{{J}}}", "group {{group}}")],
+               unit="s", w=12,
+               desc="Median first-to-last member enter of each group's recent collectives: a late rank makes "
+                    "the others wait here (the slow_comm detector names it)."),
+        ]),
     ])
 
 
