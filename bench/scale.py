@@ -57,6 +57,9 @@ from bench.scale_controller import TOKEN  # noqa: E402
 from bench.scale_schedule import Layout, Schedule, Trial, fault_at, p90  # noqa: E402
 
 LAG_SAMPLE_RANKS = 8
+#: ``controller.ingest_processes`` above ``SINGLE_PROCESS_RANKS`` ranks on PostgreSQL, by default.
+AUTO_INGEST_PROCESSES = 2
+SINGLE_PROCESS_RANKS = 4096
 POLL_S = 0.25
 
 
@@ -93,12 +96,33 @@ class Child:
         self.send(obj)
         return self.read()
 
+    def _tree(self) -> list[psutil.Process]:
+        """The process and its live children (a controller's ingest processes)."""
+        try:
+            return [self.ps, *self.ps.children(recursive=True)]
+        except psutil.Error:
+            return [self.ps]
+
     def cpu_s(self) -> float:
-        t = self.ps.cpu_times()
-        return t.user + t.system
+        """CPU seconds of the process and its live children."""
+        total = 0.0
+        for p in self._tree():
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
 
     def rss_mib(self) -> float:
-        return self.ps.memory_info().rss / 2**20
+        """Resident memory of the process and its live children."""
+        total = 0
+        for p in self._tree():
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                continue
+        return total / 2**20
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20) -> None:
         if self.proc.poll() is None:
@@ -128,6 +152,7 @@ class Run:
         self.store.set_job_state(self.job, JobState.PLACING, "bench")
         self.store.set_job_state(self.job, JobState.RUNNING, "bench")
         self.port = _free_port()
+        self.ingest_processes = ingest_processes(args, ranks)
         self.ctl = self._controller(None)
         self.address = self.ctl.read()["address"]
         nodes, procs = self.layout.nodes, max(1, min(args.agent_procs, self.layout.nodes))
@@ -153,6 +178,7 @@ class Run:
         extra = ["--attempt", str(attempt)] if attempt else []
         if a.hang_factor is not None:
             extra += ["--hang-factor", str(a.hang_factor)]
+        extra += ["--ingest-processes", str(self.ingest_processes)]
         return Child(["bench.scale_controller", "--store", self.url, "--port", str(self.port), "--job", self.job,
                       "--ranks", str(self.ranks), *extra], self.folder / f"controller-{self.ranks}.log")
 
@@ -390,12 +416,20 @@ def replay(url: str, job: str, culprit: int | None) -> dict:
             "replay_tail": (proc.stdout + proc.stderr)[-400:] if proc.returncode else ""}
 
 
+def ingest_processes(args: argparse.Namespace, ranks: int) -> int:
+    """The controller's ingest processes for a job of ``ranks``: ``--ingest-processes``, or
+    none up to ``SINGLE_PROCESS_RANKS`` (and on SQLite), ``AUTO_INGEST_PROCESSES`` above."""
+    if args.ingest_processes is not None:
+        return args.ingest_processes
+    return AUTO_INGEST_PROCESSES if ranks > SINGLE_PROCESS_RANKS and args.store == "postgres" else 0
+
+
 def run_one(args: argparse.Namespace, ranks: int, url: str, folder: Path, rng: random.Random,
             last: bool, store_pids: Callable[[], set[int]]) -> dict:
     _say(f"R={ranks:,}: {ranks // 8:,} streams over {min(args.agent_procs, ranks // 8)} agent process(es), "
-         f"store {args.store}")
+         f"store {args.store}, {ingest_processes(args, ranks)} ingest process(es)")
     run = Run(args, ranks, url, folder, store_pids)
-    out: dict = {"ranks": ranks}
+    out: dict = {"ranks": ranks, "ingest_processes": run.ingest_processes}
     try:
         took = run.wait_welcomed(120)
         st = run.stats()
@@ -494,6 +528,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="128 ranks, SQLite, one hang trial (a desync trial with --desync), a small storm")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ingest-processes", type=int, default=None,
+                        help="controller.ingest_processes (default: 0 up to 4,096 ranks or on SQLite, else "
+                        f"{AUTO_INGEST_PROCESSES})")
     args = parser.parse_args()
     if args.quick:
         args.ranks, args.store, args.trials, args.small_trials = "128", "sqlite", 1, 1
@@ -553,6 +590,7 @@ def main() -> int:
         "controller_cpu_s_per_rank_s": [r.get("controller_cpu_s_per_rank_s") for r in results],
         "controller_rss_mib": [r.get("controller_rss_mib") for r in results],
         "agents_cpu_s_per_s": [r.get("agents_cpu_s_per_s") for r in results],
+        "ingest_processes": [r.get("ingest_processes") for r in results],
         "named": [r.get("named") for r in results],
         "trials": [r.get("trials") for r in results],
         "refused": [r.get("refused") for r in results],

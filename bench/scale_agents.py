@@ -55,7 +55,7 @@ from fleet.proto.contract import (
 )
 from fleet.proto.fronts import PACKED_COLUMNS, signature
 
-STREAMS_PER_CHANNEL = 64
+STREAMS_PER_CHANNEL = 16
 HEARTBEAT_INTERVAL_S = 1.0
 RECONNECT_MAX_S = 2.0
 DEFAULT_PULL_LAST = 64

@@ -14,13 +14,16 @@ it back from the store. Node names are the simulated layout's (``bench.scale_sch
 Prints ``{"address": ...}`` once serving. Control on stdin, one JSON object a line:
 ``{"cmd": "attempt"}`` creates the job's next attempt (RUNNING) and watches it, replying
 ``{"attempt": N}``; ``{"cmd": "watch", "attempt": N}`` watches an existing one (what a
-restarted controller does). Runs until SIGTERM or stdin closes; restartable on the same
+restarted controller does). ``--ingest-processes N``: the agents' streams are served by N
+ingest processes on port P (``controller.ingest_processes``), the controller's own
+AgentService on a free port. Runs until SIGTERM or stdin closes; restartable on the same
 port and store (``--attempt N``: watch attempt N from the start).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
@@ -33,7 +36,8 @@ from fleet.controlplane.agent_server import AgentRegistry, AgentServicer
 from fleet.controlplane.config import DetectConfig
 from fleet.controlplane.control_server import ControlServicer
 from fleet.controlplane.detectors import Incident
-from fleet.controlplane.grpc_server import ControllerServer
+from fleet.controlplane.grpc_server import MAX_MESSAGE_BYTES, ControllerServer
+from fleet.controlplane.ingest_shards import IngestShards
 from fleet.controlplane.lifecycle import AttemptState
 from fleet.controlplane.store import Store
 from fleet.controlplane.watchdog import Watchdog
@@ -50,7 +54,8 @@ def _reply(obj: dict) -> None:
     sys.stdout.flush()
 
 
-def serve(url: str, port: int, job: str, ranks: int, attempt: int | None, cfg: DetectConfig) -> int:
+def serve(url: str, port: int, job: str, ranks: int, attempt: int | None, cfg: DetectConfig,
+          ingest_processes: int = 0) -> int:
     layout = Layout(ranks)
     nodes = [layout.node_of(r) for r in range(ranks)]
     stop = threading.Event()
@@ -67,10 +72,20 @@ def serve(url: str, port: int, job: str, ranks: int, attempt: int | None, cfg: D
                             send=registry.send)
         servicer = AgentServicer(store, registry, TOKEN, controller_id="ctl-bench-scale",
                                  observer=watchdog.observe)
-        with watchdog, ControllerServer(servicer, ControlServicer(_NoJobs(), TOKEN), port=port) as server:
+        own_port = 0 if ingest_processes else port
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(watchdog)
+            server = stack.enter_context(ControllerServer(servicer, ControlServicer(_NoJobs(), TOKEN), port=own_port))
+            address = server.address
+            if ingest_processes:
+                shards = stack.enter_context(IngestShards(
+                    ingest_processes, store_url=url, host="127.0.0.1", port=port, token=TOKEN,
+                    controller_id="ctl-bench-scale", registry=registry, observer=watchdog.observe,
+                    max_message_bytes=MAX_MESSAGE_BYTES))
+                address = shards.address
             if attempt:
                 watchdog.watch(attempt, nodes)
-            _reply({"address": server.address})
+            _reply({"address": address})
 
             def control() -> None:
                 for line in sys.stdin:
@@ -101,6 +116,8 @@ def main() -> int:
     parser.add_argument("--attempt", type=int, default=None, help="watch this attempt from the start")
     parser.add_argument("--hang-factor", type=float, default=None)
     parser.add_argument("--interval-s", type=float, default=None)
+    parser.add_argument("--ingest-processes", type=int, default=0,
+                        help="controller.ingest_processes: agents' streams served by N processes on --port")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s controller %(levelname)s %(name)s: %(message)s")
@@ -112,7 +129,7 @@ def main() -> int:
     except ValueError as exc:
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
-    return serve(args.store, args.port, args.job, args.ranks, args.attempt, cfg)
+    return serve(args.store, args.port, args.job, args.ranks, args.attempt, cfg, args.ingest_processes)
 
 
 if __name__ == "__main__":

@@ -218,6 +218,17 @@ class ControllerConfig(_Section):
         "nodes, restarts) and of those fed by ingested batches; a scrape only reads the cached values. ETTR and "
         "lost time (`fleet report`'s) refresh as often, or less often on a job whose report costs more.",
     )
+    ingest_processes: int = Field(
+        0, ge=0, le=64,
+        description="Processes that serve the agents' streams (validate, commit, ack) beside the controller, all "
+        "on ingest_port. 0: the controller's own process serves them on `port`. One Python process does about "
+        "one core's work: give a job of more than ~8,000 ranks 2 or more (PostgreSQL store only).",
+    )
+    ingest_port: int = Field(
+        0, ge=0, le=65535,
+        description="Port the ingest processes share on `host` (SO_REUSEPORT; 0 = any free port); agents dial "
+        "it instead of `port`. Only with ingest_processes > 0.",
+    )
     tls: TlsConfig = Field(default_factory=TlsConfig, description="Mutual TLS.")
 
     @field_validator("host")
@@ -867,6 +878,11 @@ class ClusterConfig(_Section):
                 f"controller.max_message_bytes ({c.max_message_bytes}) must exceed agent.batch_max_bytes "
                 f"({self.agent.batch_max_bytes}) by at least {MESSAGE_HEADROOM_BYTES} bytes of headroom"
             )
+        if c.ingest_processes and not self.store.url.startswith("postgresql"):
+            raise ValueError(f"controller.ingest_processes: {c.ingest_processes} needs a PostgreSQL store "
+                             f"(store.url is {self.store.url.split(':', 1)[0]}:...; SQLite has one write lock)")
+        if c.ingest_port and not c.ingest_processes:
+            raise ValueError("controller.ingest_port: set only with controller.ingest_processes > 0")
         if self.ray.address is None and self.job.nodes > self.ray.nodes:
             raise ValueError(
                 f"job.nodes ({self.job.nodes}) exceeds the local cluster's ray.nodes "

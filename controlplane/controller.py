@@ -34,6 +34,7 @@ from fleet.controlplane.control_server import ControlServicer
 from fleet.controlplane.detectors import Incident
 from fleet.controlplane.errors import FleetError, UnavailableError
 from fleet.controlplane.grpc_server import ControllerServer
+from fleet.controlplane.ingest_shards import IngestShards
 from fleet.controlplane.job_control import JobService, LiveJob
 from fleet.controlplane.job_metrics import JobMetrics, MetricsRefresher
 from fleet.controlplane.lifecycle import AttemptState, JobState
@@ -107,6 +108,9 @@ class Controller:
         self._control = JobService(store, self._job, self._registry, stop_timeout_s=config.job.stop_timeout_s)
         self._incidents: queue.Queue[Incident] = queue.Queue()  # from the watchdog thread
         self.address = ""
+        #: where agents dial: ``address``, or the ingest processes' shared port
+        self.agent_address = ""
+        self._shards: IngestShards | None = None
         self.metrics_port = 0  # the /metrics endpoint's port once serving; 0 = none
         self._metrics: ControllerMetrics | None = None
         self._feed: CollectiveMetrics | None = None  # the collective metrics, once served
@@ -207,18 +211,27 @@ class Controller:
         if cfg.controller.metrics:
             self._metrics = ControllerMetrics()
             feed = self._feed = CollectiveMetrics(self._metrics.registry, self.job_id)
+        observer = fan_out(watchdog.observe, feed and feed.observe)
         server = ControllerServer(
             AgentServicer(self.store, self._registry, self._token, controller_id=f"ctl-{os.getpid()}",
-                          metrics=self._metrics, observer=fan_out(watchdog.observe, feed and feed.observe),
-                          on_node_check=self._node_checks.observe),
+                          metrics=self._metrics, observer=observer, on_node_check=self._node_checks.observe),
             ControlServicer(self._control, self._token, node_checks=self._node_checks),
             host=cfg.controller.host,
             port=cfg.controller.port,
             max_message_bytes=cfg.controller.max_message_bytes,
             tls=cfg.controller.tls.server_files(),
         ).start()
-        self.address = server.address
+        self.address = self.agent_address = server.address
         try:
+            if cfg.controller.ingest_processes:
+                self._progress(f"starting {cfg.controller.ingest_processes} ingest processes")
+                self._shards = IngestShards(
+                    cfg.controller.ingest_processes, store_url=cfg.store.url, host=cfg.controller.host,
+                    port=cfg.controller.ingest_port, token=self._token, controller_id=f"ctl-{os.getpid()}",
+                    registry=self._registry, observer=observer, on_node_check=self._node_checks.observe,
+                    metrics=self._metrics, max_message_bytes=cfg.controller.max_message_bytes,
+                    tls=cfg.controller.tls.server_files())
+                self.agent_address = self._shards.address
             if self._metrics is not None:
                 self._serve_metrics(self._metrics, feed)
             tls = cfg.controller.tls
@@ -228,6 +241,8 @@ class Controller:
                 client_key=str(tls.client_key or ""), metrics_port=self.metrics_port,
             ))
         except BaseException:
+            if self._shards is not None:
+                self._shards.close()
             server.close()  # the caller's teardown never got it
             raise
         return server
@@ -258,7 +273,7 @@ class Controller:
             self.store.upsert_node(n.name, n.ray_node_id, n.address, f'{{"CPU": {n.cpus}}}')
         self._progress("starting agents")
         t = time.monotonic()
-        agents.start(nodes, self.address, self._token, cfg.agent_settings(), cfg.controller, bind_host=cfg.agent.host)
+        agents.start(nodes, self.agent_address, self._token, cfg.agent_settings(), cfg.controller, bind_host=cfg.agent.host)
         missing = self._registry.wait_for({n.name for n in nodes}, cfg.controller.agent_start_timeout_s)
         if missing:
             raise UnavailableError(f"no agent connected from node(s) {sorted(missing)}")
@@ -294,6 +309,7 @@ class Controller:
             ("agents", agents.close),
             ("ray", cluster.shutdown),
             ("metrics", self._metrics.close if self._metrics is not None else (lambda: None)),
+            ("ingest processes", self._shards.close if self._shards is not None else (lambda: None)),
             ("grpc server", server.close if server is not None else (lambda: None)),
             ("process list", lambda: processes_file(self._state_dir, os.getpid()).unlink(missing_ok=True)),
         ):

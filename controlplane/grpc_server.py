@@ -86,14 +86,16 @@ class ControllerServer:
     def __init__(
         self,
         agent_servicer: AgentServicer,
-        control_servicer: ControlServicer,
+        control_servicer: ControlServicer | None,
         host: str = "127.0.0.1",
         port: int = 0,
         control_threads: int = CONTROL_THREADS,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         tls: TlsFiles | None = None,
+        reuse_port: bool = False,
     ) -> None:
         self.agent_servicer = agent_servicer
+        self._serves_control = control_servicer is not None
         try:
             credentials = server_credentials(tls) if tls is not None else None
         except TlsFileError as exc:
@@ -106,7 +108,9 @@ class ControllerServer:
         options = [
             ("grpc.max_receive_message_length", GRPC_LIMIT_FACTOR * max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.so_reuseport", 0),
+            # an ingest process shares its port with the others (the kernel spreads the
+            # agents' connections over them); anything else owns its port alone
+            ("grpc.so_reuseport", int(reuse_port)),
             ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
             ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
         ]
@@ -148,13 +152,14 @@ class ControllerServer:
         # a sync ControlService call may still wait (CheckNode): its thread ends after it
         self._control_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _build(self, control_servicer: ControlServicer, options: list[tuple[str, Any]],
+    async def _build(self, control_servicer: ControlServicer | None, options: list[tuple[str, Any]],
                      max_message_bytes: int, address: str,
                      credentials: grpc.ServerCredentials | None) -> int:
         # made on the loop: a grpc.aio server belongs to the loop it was created on
         self._server = grpc.aio.server(migration_thread_pool=self._control_pool, options=options)
         self._server.add_generic_rpc_handlers((_agent_service(self.agent_servicer, max_message_bytes),))
-        control_pb2_grpc.add_ControlServiceServicer_to_server(control_servicer, self._server)
+        if control_servicer is not None:
+            control_pb2_grpc.add_ControlServiceServicer_to_server(control_servicer, self._server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         if credentials is None:
@@ -164,7 +169,7 @@ class ControllerServer:
 
     async def _start(self) -> None:
         await self._server.start()
-        for service in ("", AGENT_SERVICE, CONTROL_SERVICE):
+        for service in ("", AGENT_SERVICE, CONTROL_SERVICE)[:3 if self._serves_control else 2]:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     async def _stop(self, grace_s: float) -> None:
