@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 
 #: Drops closer together than this form one burst, logged once.
 DROP_BURST_GAP_S = 10.0
+#: A large job's agent (``collective_fronts``) sends its heartbeat, with its host's
+#: health, at least this often while its batches keep the stream busy (seconds).
+QUIET_HEALTH_INTERVAL_S = 10.0
 
 _HEARTBEAT = object()
 
@@ -108,6 +111,7 @@ class _Conn:
         self.cursor = 0             # highest seq sent on this stream
         self.stale_sent = (0, 0)    # (epoch, seq) of the last predecessor's batch sent
         self.next_heartbeat = 0.0
+        self.last_heartbeat = 0.0
 
 
 class Uplink:
@@ -146,6 +150,10 @@ class Uplink:
         self._batch_max_bytes = settings.batch_max_bytes
         self._batch_interval_s = settings.batch_interval_s
         self._heartbeat_interval_s = settings.heartbeat_interval_s
+        # a large job's agent sends a heartbeat only when its stream fell quiet, and for its
+        # host's health every QUIET_HEALTH_INTERVAL_S: a batch a second says "alive" already,
+        # and the controller keeps one health sample per node every ~10 s at that scale
+        self._quiet_heartbeats = settings.collective_fronts
         self._memory_max = settings.memory_max_bytes
         self._spill_max = settings.spill_max_bytes if spill_dir is not None else 0
         self._max_event_bytes = settings.max_message_bytes - MESSAGE_HEADROOM_BYTES
@@ -642,6 +650,7 @@ class Uplink:
                     return agent_pb2.AgentMessage(drop=self._drop_in_flight).SerializeToString()
                 if now >= conn.next_heartbeat:
                     conn.next_heartbeat = now + self._heartbeat_interval_s
+                    conn.last_heartbeat = now
                     return _HEARTBEAT
                 stale = self._next_stale(conn)
                 if stale is not None:
@@ -655,6 +664,9 @@ class Uplink:
                         continue  # dropped; its DropReport goes first
                 if batch is not None:
                     conn.cursor = batch.seq
+                    if self._quiet_heartbeats:
+                        conn.next_heartbeat = min(now + self._heartbeat_interval_s + self._batch_interval_s,
+                                                  conn.last_heartbeat + QUIET_HEALTH_INTERVAL_S)
                     if batch.data is None:
                         return batch
                     return _length_delimited(AGENT_MESSAGE_BATCH_TAG, batch.data)

@@ -9,7 +9,8 @@ epoch, token, as ``agent.uplink`` sends it, the token also as metadata), then ev
 ``--batch-interval-s`` one ``EventBatch`` (consecutive seq per (agent, epoch)) holding the
 node's ProcessGroupInfo events (once per attempt), the StepEvents of the steps its ranks
 finished, and one ``Event(fronts=CollectiveFronts)`` with a row per (rank, group) whose
-front moved; heartbeats every second. A ``TracePull`` is answered at once with the raw
+front moved; a heartbeat when a stream fell quiet and every ``QUIET_HEALTH_INTERVAL_S``
+(a large job's agents' policy). A ``TracePull`` is answered at once with the raw
 entries (``CollectiveColumns``) of the newest ``last`` sequence numbers of each asked
 (rank, group), consistent with the fronts sent. Streams share a few channels (one TCP
 connection per ``STREAMS_PER_CHANNEL``).
@@ -47,6 +48,7 @@ from bench.scale_schedule import (
     DESYNC_OP, DTYPES, KINDS, RANKS_PER_NODE, Fault, Layout, Schedule, agent_id, node_name, steps_done,
 )
 from fleet.agent import backoff
+from fleet.agent.uplink import QUIET_HEALTH_INTERVAL_S
 from fleet.proto import agent_pb2, events_pb2
 from fleet.proto.columns import pack as pack_columns
 from fleet.proto.contract import (
@@ -187,6 +189,8 @@ class Node:
         self.wake = asyncio.Event()
         self.broken = False
         self.heartbeat_due = False
+        self.last_write = 0.0                  # monotonic time of the last batch written
+        self.last_heartbeat = 0.0
         self.connected = False
         self.welcomes = 0
         self.welcomed_at = 0.0                 # time.time() of the newest Welcome
@@ -415,8 +419,10 @@ class Node:
                 if seq > self.sent:
                     await call.write(data)
                     self.sent = seq
+                    self.last_write = time.monotonic()
             if self.heartbeat_due:
                 self.heartbeat_due = False
+                self.last_heartbeat = time.monotonic()
                 await call.write(agent_pb2.AgentMessage(heartbeat=agent_pb2.Heartbeat(
                     agent_id=self.agent_id, time_ns=time.time_ns(),
                     host=agent_pb2.HostMetrics(workers_alive=RANKS_PER_NODE))).SerializeToString())
@@ -524,8 +530,12 @@ class Agents:
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            now = time.monotonic()
             for n in self.nodes:
-                if n.connected:
+                # as a large job's agent does (``fleet.agent.uplink``): a heartbeat when the
+                # stream fell quiet, and for the host's health every QUIET_HEALTH_INTERVAL_S
+                quiet = now - n.last_write >= HEARTBEAT_INTERVAL_S + self.batch_interval_s
+                if n.connected and (quiet or now - n.last_heartbeat >= QUIET_HEALTH_INTERVAL_S):
                     n.heartbeat_due = True
                     n.wake.set()
 

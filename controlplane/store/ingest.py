@@ -244,29 +244,50 @@ def _durations(block: events_pb2.CollectiveColumns, n: int) -> tuple[Sequence[in
             np.where(measured, timing, 0).tolist())
 
 
+#: The columns ``_check_fronts`` bounds, and their rows in the packed layout.
+_FRONT_CHECKED = ("job_id", "group", "op", "attempt", "rank", "group_size", "signature", "entered_seq",
+                  "completed_seq")
+_PACKED_CHECKED = np.array([fronts.PACKED_COLUMNS.index(c) for c in _FRONT_CHECKED])
+_FRONT_STRING_LIMITS = (("job_id", JOB_ID_LEN), ("group", NAME_LEN), ("op", OP_LEN))
+_SHORTEST_STRING_LIMIT = min(limit for _, limit in _FRONT_STRING_LIMITS)
+
+
 def _check_fronts(block: events_pb2.CollectiveFronts) -> None:
     """Validate a fronts block (its columns readable, string indexes and lengths, seq
-    order), column-wise: a large job sends thousands a second."""
+    order), column-wise: a large job sends thousands a second, so a packed block is
+    bounded with one min and one max over its matrix, and its strings checked per column
+    only when one of them could break a limit."""
     try:
-        col = fronts.columns(block)
+        m = fronts.packed_matrix(block)
+        col = fronts.columns(block) if m is None else None
     except fronts.BadBlock as exc:
         raise InvalidBatch(str(exc)) from None
-    if not len(col["job_id"]):
-        return
-    checked = ("job_id", "group", "op", "attempt", "rank", "group_size", "signature", "entered_seq", "completed_seq")
-    lo = {name: int(col[name].min()) for name in checked}
-    hi = {name: int(col[name].max()) for name in checked}
+    if m is not None:
+        if not m.shape[1]:
+            return
+        checked = m[_PACKED_CHECKED]
+        lo = dict(zip(_FRONT_CHECKED, checked.min(axis=1).tolist()))
+        hi = dict(zip(_FRONT_CHECKED, checked.max(axis=1).tolist()))
+        col = dict(zip(fronts.PACKED_COLUMNS, m))
+    else:
+        assert col is not None
+        if not len(col["job_id"]):
+            return
+        lo = {name: int(col[name].min()) for name in _FRONT_CHECKED}
+        hi = {name: int(col[name].max()) for name in _FRONT_CHECKED}
     strings = block.strings
-    for name, limit in (("job_id", JOB_ID_LEN), ("group", NAME_LEN), ("op", OP_LEN)):
+    for name, _ in _FRONT_STRING_LIMITS:
         if lo[name] < 0 or hi[name] >= len(strings):
             bad = lo[name] if lo[name] < 0 else hi[name]
             raise InvalidBatch(f"fronts.{name}: index {bad} outside strings ({len(strings)} entries)")
-        used = [lo[name]] if lo[name] == hi[name] else np.unique(col[name]).tolist()
-        longest = max((strings[i] for i in used), key=len)
-        if len(longest) > limit:
-            raise InvalidBatch(f"fronts.{name}: {longest[:80]!r} is longer than {limit} characters")
-        if name == "job_id" and "" in {strings[i] for i in used}:
-            raise InvalidBatch("fronts.job_id: empty string")
+    if "" in strings or max(map(len, strings)) > _SHORTEST_STRING_LIMIT:
+        for name, limit in _FRONT_STRING_LIMITS:
+            used = [lo[name]] if lo[name] == hi[name] else np.unique(col[name]).tolist()
+            longest = max((strings[i] for i in used), key=len)
+            if len(longest) > limit:
+                raise InvalidBatch(f"fronts.{name}: {longest[:80]!r} is longer than {limit} characters")
+            if name == "job_id" and "" in {strings[i] for i in used}:
+                raise InvalidBatch("fronts.job_id: empty string")
     for name in ("attempt", "rank", "group_size", "signature"):
         if lo[name] < 0 or hi[name] >= 1 << 32:
             raise InvalidBatch(f"fronts.{name}: a value outside 0..2**32-1")

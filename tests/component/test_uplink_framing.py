@@ -87,3 +87,61 @@ def test_uplink_frames_batches_with_the_contract_tags() -> None:
         assert list(batch.marks) == [agent_pb2.ReportMark()]
         received += batch.events
     assert received == events
+
+
+def _heartbeats_while_busy(collective_fronts: bool) -> tuple[int, int]:
+    """(heartbeats while a report arrives every 20 ms for 1.2 s, heartbeats in the 0.6 s
+    after the reports stop), heartbeat interval 0.1 s, batches every 0.05 s."""
+    from fleet.agent.settings import AgentSettings
+
+    handler = RawConnect()
+    method = grpc.stream_stream_rpc_method_handler(
+        handler, request_deserializer=None, response_serializer=agent_pb2.ControllerMessage.SerializeToString)
+    executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="fleet-test-raw-connect")
+    server = grpc.server(executor)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        contract.AGENT_SERVICE, {contract.CONNECT_METHOD: method}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    settings = AgentSettings(batch_interval_s=0.05, heartbeat_interval_s=0.1, collective_fronts=collective_fronts)
+    up = Uplink(controller_address=f"127.0.0.1:{port}", token=TOKEN,
+                hello=agent_pb2.Hello(agent_id="agent-n0", node_name="n0", token=TOKEN, epoch=1),
+                on_command=lambda c: None, settings=settings,
+                heartbeat=lambda: agent_pb2.Heartbeat(agent_id="agent-n0", time_ns=time.time_ns()),
+                reconnect_max_s=0.2)
+
+    def heartbeats() -> int:
+        with handler.cond:
+            return sum(agent_pb2.AgentMessage.FromString(d).WhichOneof("msg") == "heartbeat" for d in handler.raw)
+
+    try:
+        up.start()
+        with handler.cond:   # the first heartbeat goes out with the stream: count from there
+            assert handler.cond.wait_for(lambda: len(handler.raw) >= 2, 10)
+        before = heartbeats()
+        end = time.monotonic() + 1.2
+        step = 0
+        while time.monotonic() < end:
+            step += 1
+            up.submit([events_pb2.Event(step=events_pb2.StepEvent(job_id="j", attempt=1, rank=0, step=step))])
+            time.sleep(0.02)
+        busy = heartbeats() - before
+        before = heartbeats()
+        time.sleep(0.6)
+        quiet = heartbeats() - before
+    finally:
+        up.close()
+        server.stop(0).wait(5)
+        executor.shutdown(wait=True)
+    return busy, quiet
+
+
+def test_a_large_jobs_agent_sends_heartbeats_only_when_its_stream_falls_quiet() -> None:
+    busy, quiet = _heartbeats_while_busy(collective_fronts=True)
+    # batches every 0.05 s say "alive": no heartbeat while they flow (health is due only
+    # every QUIET_HEALTH_INTERVAL_S, 10 s); once they stop, heartbeats resume
+    assert busy <= 1, busy
+    assert quiet >= 2, quiet
+    # a small job's agent keeps its heartbeat every interval, busy or not
+    busy_small, _ = _heartbeats_while_busy(collective_fronts=False)
+    assert busy_small >= 6, busy_small

@@ -103,18 +103,28 @@ def rows_in(block: events_pb2.CollectiveFronts) -> int:
     return len(block.job_id)
 
 
+def packed_matrix(block: events_pb2.CollectiveFronts) -> np.ndarray | None:
+    """``block.packed`` as a (columns x rows) int64 view in ``PACKED_COLUMNS`` order, None
+    when the block is not packed; ``BadBlock`` when it cannot be read (a length that is not
+    whole rows, or a repeated column set as well)."""
+    packed = block.packed
+    if not packed:
+        return None
+    width = _PACKED_DTYPE.itemsize * len(PACKED_COLUMNS)
+    if len(packed) % width:
+        raise BadBlock(f"fronts.packed: {len(packed)} bytes is not a whole number of "
+                       f"{len(PACKED_COLUMNS)}-column int64 rows")
+    if any(len(getattr(block, name)) for name in COLUMNS):
+        raise BadBlock("fronts: both packed and repeated columns")
+    return np.frombuffer(packed, dtype=_PACKED_DTYPE).reshape(len(PACKED_COLUMNS), -1)
+
+
 def columns(block: events_pb2.CollectiveFronts) -> dict[str, np.ndarray]:
     """``block``'s columns as int64 arrays by ``COLUMNS`` name; ``BadBlock`` when they
     cannot be read (unequal lengths, both forms, a packed length that is not whole rows).
     A packed block costs no step per value: the arrays are views of its bytes."""
-    if block.packed:
-        width = _PACKED_DTYPE.itemsize * len(PACKED_COLUMNS)
-        if len(block.packed) % width:
-            raise BadBlock(f"fronts.packed: {len(block.packed)} bytes is not a whole number of "
-                           f"{len(PACKED_COLUMNS)}-column int64 rows")
-        if len(block.ListFields()) > 1 + bool(block.strings):  # a repeated column is set too
-            raise BadBlock("fronts: both packed and repeated columns")
-        m = np.frombuffer(block.packed, dtype=_PACKED_DTYPE).reshape(len(PACKED_COLUMNS), -1)
+    m = packed_matrix(block)
+    if m is not None:
         return dict(zip(PACKED_COLUMNS, m))
     n = len(block.job_id)
     for name in COLUMNS:
