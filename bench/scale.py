@@ -58,7 +58,7 @@ from bench.scale_schedule import Layout, Schedule, Trial, fault_at, p90  # noqa:
 
 LAG_SAMPLE_RANKS = 8
 #: ``controller.ingest_processes`` above ``SINGLE_PROCESS_RANKS`` ranks on PostgreSQL, by default.
-AUTO_INGEST_PROCESSES = 2
+AUTO_INGEST_PROCESSES = 3
 SINGLE_PROCESS_RANKS = 4096
 POLL_S = 0.25
 

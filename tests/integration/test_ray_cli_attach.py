@@ -1,13 +1,16 @@
 """`fleet up` attached to a Ray cluster started the way users start one: `ray start --head` and
 `ray start --address` (two Ray nodes on 127.0.0.1, each its own `ray` CLI process that this
-test owns), `ray.address` in cluster.yaml, Ray's token authentication on.
+test owns), `ray.address` in cluster.yaml, Ray's token authentication on, the store on a real
+PostgreSQL server and the agents' streams served by two ingest processes
+(``controller.ingest_processes: 2``), as a large cluster runs.
 
 Asserted: the job succeeds; the store's nodes are the Ray nodes (their IDs, named from the
 address Ray reports); exactly one agent runs on each Ray node and each sent its host health; the
 ranks run on both nodes (each rank's process descends from its node's raylet); every
 listening socket of `fleet up`, the Ray daemons, the agents and the ranks is on loopback;
 the cluster is still up afterwards with none of fleet's actors alive on it; and ending the two
-CLI processes by PID leaves none of their processes behind.
+CLI processes by PID leaves none of their processes behind; the two ingest processes shared
+one port and every agent held its stream to it.
 
 Why the second node starts through a two-line wrapper of Ray's own CLI entry point: with
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (Ray's switch that keeps a node on loopback) `ray
@@ -34,7 +37,8 @@ import pytest
 import yaml
 
 from fleet.controlplane.lifecycle import JobState
-from tests.integration.test_fleet_up import FleetUp, controller_job, store_of, write_cluster
+from fleet.controlplane.store import Store
+from tests.integration.test_fleet_up import FleetUp, controller_job, write_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -147,6 +151,10 @@ class AttachedFleetUp(FleetUp):
         self._nodes = nodes
         #: (ray CLI node name, pid, first word of its command line) of every process seen under each CLI
         self.under: set[tuple[str, int, str]] = set()
+        #: pid -> the port it listens on, of fleet up's ingest processes
+        self.ingest: dict[int, int] = {}
+        #: (agent pid, controller-side port) of every connection an agent was seen to hold
+        self.agent_links: set[tuple[int, int]] = set()
         super().__init__(tmp, cluster)
 
     def sample(self) -> None:
@@ -154,13 +162,20 @@ class AttachedFleetUp(FleetUp):
         trees = {node.name: node.tree() for node in self._nodes}
         everything = {pid: p for tree in trees.values() for pid, p in tree.items()}
         try:
-            listening = [c for c in psutil.net_connections(kind="inet")
-                         if c.status == psutil.CONN_LISTEN and c.pid in everything]
+            ours = {p.pid: p for p in psutil.Process(self.proc.pid).children(recursive=True)}
+            sockets = psutil.net_connections(kind="inet")
         except psutil.Error:
-            listening = []
-        for c in listening:
+            return
+        for c in sockets:
             try:
-                self.listening.add((c.laddr.ip, c.laddr.port, everything[c.pid].name()))
+                if c.status == psutil.CONN_LISTEN and c.pid in everything:
+                    self.listening.add((c.laddr.ip, c.laddr.port, everything[c.pid].name()))
+                elif c.status == psutil.CONN_LISTEN and c.pid in ours and \
+                        "fleet.controlplane.ingest_shards" in ours[c.pid].cmdline():
+                    self.ingest[c.pid] = c.laddr.port
+                elif c.status == psutil.CONN_ESTABLISHED and c.pid in everything and c.raddr and \
+                        everything[c.pid].cmdline()[:1] and everything[c.pid].cmdline()[0].startswith("ray::AgentActor"):
+                    self.agent_links.add((c.pid, c.raddr.port))
             except psutil.Error:
                 pass
         for name, tree in trees.items():
@@ -180,19 +195,24 @@ class AttachedFleetUp(FleetUp):
         return {pid for name, pid, _ in self.under if name == node}
 
 
-def _cluster_yaml(tmp: Path, address: str) -> Path:
+def _cluster_yaml(tmp: Path, address: str, store_url: str) -> Path:
     path = write_cluster(tmp, steps=STEPS, checkpoint_interval=STEPS, nodes=2, ranks_per_node=1,
                          spare_workers_per_node=0, warmup_steps=1)
     cfg = yaml.safe_load(path.read_text())
     cfg["ray"] = {"address": address}
     cfg["sdc"] = {"preflight": False}
+    # as a large cluster runs: the store on PostgreSQL, the agents' streams served by two
+    # ingest processes on their own port (controller.ingest_processes)
+    cfg["store"] = {"url": store_url}
+    cfg.setdefault("controller", {})["ingest_processes"] = 2
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-def test_fleet_up_attaches_to_a_cluster_started_with_the_ray_cli(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fleet_up_attaches_to_a_cluster_started_with_the_ray_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 postgres_server) -> None:  # noqa: ANN001
     t0 = time.monotonic()
+    store_url = postgres_server.create_database()
     port = _free_port()
     address = f"127.0.0.1:{port}"
     # fleet up is a Ray driver like any: it needs the cluster's token (it inherits this environment)
@@ -219,12 +239,12 @@ def test_fleet_up_attaches_to_a_cluster_started_with_the_ray_cli(tmp_path: Path,
         by_cli = {node.name: node.raylet_node_id() for node in nodes}
         assert {n["id"] for n in ray_nodes} == set(by_cli.values())
 
-        run = AttachedFleetUp(tmp_path, _cluster_yaml(tmp_path, address), nodes)
+        run = AttachedFleetUp(tmp_path, _cluster_yaml(tmp_path, address, store_url), nodes)
         run.wait_until(lambda: controller_job(tmp_path), 90, "the controller to start")
         summary = run.finish(timeout_s=150)
         assert summary["state"] == "SUCCEEDED" and summary["final_step"] == STEPS, summary
 
-        with store_of(tmp_path) as store:
+        with Store(store_url) as store:
             job = store.get_job(summary["job_id"])
             assert job.state is JobState.SUCCEEDED and job.attempts == 1
             rows = store.list_nodes()
@@ -247,6 +267,11 @@ def test_fleet_up_attaches_to_a_cluster_started_with_the_ray_cli(tmp_path: Path,
         for r in ranks:
             cli = next(c for c in nodes if name_of[by_cli[c.name]] == r.node)
             assert r.pid in run.pids_under(cli.name), f"rank {r.rank} (pid {r.pid}) not under {cli.name}'s raylet"
+        # two ingest processes shared one port, and the agents streamed to it
+        assert len(run.ingest) == 2 and len(set(run.ingest.values())) == 1, run.ingest
+        ingest_port = next(iter(run.ingest.values()))
+        streaming = {pid for pid, port in run.agent_links if port == ingest_port}
+        assert streaming == set().union(*agents.values()), (run.agent_links, agents)
         run.assert_loopback_only()
         run.assert_tree_gone()
         # the cluster fleet attached to is still up, with none of fleet's actors left on it
@@ -261,5 +286,6 @@ def test_fleet_up_attaches_to_a_cluster_started_with_the_ray_cli(tmp_path: Path,
             run.proc.kill()
             run.wait(30)
         left = {node.name: node.end() for node in reversed(nodes)}
+        postgres_server.drop_database(store_url)
     assert not any(left.values()), f"processes of the ray CLI nodes outlived them: {left}"
     print(f"ray CLI attach: {time.monotonic() - t0:.1f} s in all")

@@ -172,6 +172,20 @@ def test_heartbeat_timeout_must_be_below_pg_timeout() -> None:
     assert "job.pg_timeout_s" in msg
 
 
+def test_ingest_processes_need_a_postgresql_store() -> None:
+    msg = _error("controller:\n  ingest_processes: 2\n")   # the default store is SQLite
+    assert "controller.ingest_processes: 2 needs a PostgreSQL store" in msg
+    assert "sqlite" in msg
+    cfg = parse_cluster_yaml("controller:\n  ingest_processes: 2\n  ingest_port: 7000\n"
+                             "store:\n  url: postgresql+psycopg://u@127.0.0.1/fleet\n", SRC)
+    assert (cfg.controller.ingest_processes, cfg.controller.ingest_port) == (2, 7000)
+
+
+def test_an_ingest_port_without_ingest_processes_is_rejected() -> None:
+    msg = _error("controller:\n  ingest_port: 7000\n")
+    assert "controller.ingest_port: set only with controller.ingest_processes > 0" in msg
+
+
 def test_job_nodes_above_local_ray_nodes_is_rejected() -> None:
     msg = _error("ray:\n  nodes: 2\njob:\n  nodes: 3\n")
     assert "job.nodes (3)" in msg
