@@ -89,6 +89,7 @@ from fleet.controlplane.sdc import SdcVerdict
 from fleet.controlplane.diagnosis import Diagnosis, DiagnosisConfig, diagnose, recent_traces
 from fleet.controlplane.store import CollectiveRow, Store
 from fleet.controlplane.store.ingest import PreparedBatch
+from fleet.controlplane.pulled_entries import PulledEntries
 from fleet.controlplane.wavefront import FrontVerdict, Wavefronts
 from fleet.proto import events_pb2, fronts
 from fleet.proto.flight_record import P2P_SUFFIX
@@ -207,6 +208,7 @@ class _Watched:
     threshold_due: float = 0.0                # monotonic: compute it again then
     fronts: Wavefronts | None = None          # a large job's collective fronts (None: raw collectives)
     pull_key: tuple = ()                      # (verdict, culprits, groups) whose raw entries were asked for
+    pulled: PulledEntries | None = None       # a large job's pulled raw entries, as observed
     pull_sent: float = 0.0                    # monotonic: when
     slow_comm: collective_perf.SlowCommMonitor | None = None
 
@@ -414,6 +416,12 @@ class Watchdog:
                     w.finished = True
                 elif st.state == "TRAINING" and st.time_ns >= w.phases.get(st.rank, (0, ""))[0]:
                     w.phases[st.rank] = (st.time_ns, st.phase)
+        if batch.collectives and w.fronts is not None:
+            # a large job's collectives are entries pulled on suspicion: kept for its
+            # diagnosis as they arrive, not when the store has them (seconds later at scale)
+            if w.pulled is None:
+                w.pulled = PulledEntries(job, number)
+            w.pulled.add(batch.collective_rows())
         if batch.collectives:
             started, fresh = self._collectives(w, batch.collective_rows())
             # Without steps, completions are the progress judged, so their delivery counts too.
@@ -717,7 +725,9 @@ class Watchdog:
             w.pull_key, w.pull_sent = key, now
             self._pull(w, front)
         try:
-            traces = recent_traces(self._store, self._job_id, w.number, PULL_ENTRIES, groups=front.groups)
+            # the answers as observed (the store has them too, later): see pulled_entries
+            source = (w.pulled or PulledEntries(self._job_id, w.number)).members(front.members)
+            traces = recent_traces(source, self._job_id, w.number, PULL_ENTRIES, groups=front.groups)
         except Exception:  # noqa: BLE001 - the fronts still say something
             log.exception("reading the pulled entries of attempt %d failed", w.number)
             traces = None

@@ -18,6 +18,7 @@ import pytest
 from fleet.controlplane.detectors import Incident
 from fleet.controlplane.lifecycle import JobState
 from fleet.controlplane.store import Store
+from fleet.controlplane.store.ingest import prepare
 from fleet.controlplane.watchdog import PULL_WAIT_S, Watchdog
 from fleet.proto import columns, events_pb2
 from fleet.proto.fronts import FrontRow, pack, signature
@@ -109,6 +110,30 @@ def test_fronts_name_a_suspect_and_the_pulled_entries_confirm_it(store: Store, j
     assert [(i.kind, i.rank, i.node) for i in got] == [(IncidentKind.HANG, 1, "node-0")]
     assert "collective fronts" not in got[0].evidence  # the flight recorder's own verdict
     assert "rank 1" in got[0].evidence
+
+
+def test_pulled_entries_confirm_before_the_store_has_them(store: Store, job: str) -> None:
+    # at 16,384 ranks the store's writer is seconds behind: the answers are judged as they
+    # are observed, not once committed (here they never are)
+    incidents, agents = Incidents(), Agents()
+    with Watchdog(store, job, CFG, incidents, send=agents) as wd:
+        wd.watch(1, NODES)
+        feed = Feed(store, wd)
+        feed.send([group_ev(job, r) for r in WORLD])
+        entered = _healthy(feed, job, range(1, 7))
+        t7 = time.time_ns()
+        feed.send([front_ev(job, r, 7, 6, t7) for r in (0, 1, 2)])  # rank 3 never enters seq 7
+        pulls = agents.pulls(2, timeout_s=15)
+        answered = time.monotonic()
+        for node, _ in pulls:
+            wd.observe(node, prepare([raw(job, r, s, entered[s], True) for r in WORLD if NODES[r] == node
+                                      for s in range(1, 7)]
+                                     + [raw(job, r, 7, t7, False) for r in (0, 1, 2) if NODES[r] == node]))
+        got = incidents.wait(1, timeout_s=15)
+    assert [(i.kind, i.rank, i.node) for i in got] == [(IncidentKind.HANG, 3, "node-1")]
+    assert "collective fronts" not in got[0].evidence  # the flight recorder's verdict, not the fallback
+    assert time.monotonic() - answered < PULL_WAIT_S
+    assert not store.recent_collectives(job, 1, 8)  # nothing of it was ever stored
 
 
 def test_unanswered_pull_decides_on_the_fronts(store: Store, job: str) -> None:
