@@ -20,7 +20,9 @@ Invariants:
   never blocks the others.
 - Fronts of committed batches (a large job's per-(rank, group) progress) are kept, the
   newest per key, and written every ``fronts_flush_s`` and at ``close``: the store's
-  fronts trail the live ones by at most that much. They are state, not events: a front
+  fronts trail the live ones by at most that much. On PostgreSQL a thread of their own
+  (``fleet-ingest-fronts``) writes them beside the commits, so that a flush of tens of
+  thousands of rows holds no batch up; on SQLite (one write lock) the writer does. They are state, not events: a front
   is superseded by the next, so writing only the newest loses nothing.
 """
 
@@ -100,8 +102,17 @@ class IngestWriter:
         self._fronts_flush_s = fronts_flush_s
         self._fronts_due = time.monotonic() + fronts_flush_s
         self._closing = False
+        # PostgreSQL takes the fronts' upsert beside the batches' commits: a flush of tens of
+        # thousands of rows then holds no batch up. SQLite has one write lock: inline.
+        self._flusher: threading.Thread | None = None
+        self._to_flush: list[CollectiveFronts] = []
+        self._flush_cond = threading.Condition()
+        self._flush_stop = False
         self._thread = threading.Thread(target=self._run, name="fleet-ingest-writer", daemon=True)
         self._thread.start()
+        if store.dialect != "sqlite":
+            self._flusher = threading.Thread(target=self._flush_loop, name="fleet-ingest-fronts", daemon=True)
+            self._flusher.start()
 
     def put(self, item: Item, timeout_s: float = 1.0) -> bool:
         """Queue ``item``; False if the queue stayed full for ``timeout_s`` (call again)."""
@@ -141,6 +152,11 @@ class IngestWriter:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout_s)
+        if self._flusher is not None:
+            with self._flush_cond:
+                self._flush_stop = True
+                self._flush_cond.notify_all()
+            self._flusher.join(timeout_s)
 
     def __enter__(self) -> IngestWriter:
         return self
@@ -193,8 +209,35 @@ class IngestWriter:
             self._fronts.extend(item.rows.fronts)  # type: ignore[union-attr]
 
     def _flush_fronts(self) -> None:
+        """On the writer's thread: write the kept fronts, or hand them to the flusher."""
+        if self._flusher is None:
+            blocks, self._fronts = self._fronts, []
+            self._fronts_due = self._write_fronts(blocks)
+            return
+        with self._flush_cond:
+            self._to_flush.extend(self._fronts)
+            self._flush_cond.notify_all()
+        self._fronts = []
+        self._fronts_due = time.monotonic() + self._fronts_flush_s
+
+    def _flush_loop(self) -> None:
+        """The flusher's thread: write what the writer handed over, no more often than
+        ``_write_fronts`` allows; at close, whatever is left."""
+        due = 0.0
+        while True:
+            with self._flush_cond:
+                while not self._flush_stop and (not self._to_flush or time.monotonic() < due):
+                    self._flush_cond.wait(max(0.01, due - time.monotonic()) if self._to_flush else None)
+                blocks, self._to_flush = self._to_flush, []
+                stop = self._flush_stop
+            if blocks:
+                due = self._write_fronts(blocks)
+            if stop:
+                return
+
+    def _write_fronts(self, blocks: list[CollectiveFronts]) -> float:
+        """Write the newest front per key of ``blocks``; returns when the next write is due."""
         started = time.monotonic()
-        blocks, self._fronts = self._fronts, []
         rows = fronts.newest(blocks)
         try:
             if rows:
@@ -204,7 +247,7 @@ class IngestWriter:
         # a large job's flush is tens of thousands of rows: it may take at most
         # 1/FRONTS_FLUSH_COST of the writer's time, the rest is for the batches
         now = time.monotonic()
-        self._fronts_due = now + max(self._fronts_flush_s, FRONTS_FLUSH_COST * (now - started))
+        return now + max(self._fronts_flush_s, FRONTS_FLUSH_COST * (now - started))
 
     def _commit(self, group: list[Item]) -> None:
         live = [i for i in group if not i.stream.failed]
