@@ -19,6 +19,8 @@ steps aggregated in SQL over the newest ``last_steps``. Returns plain dicts (the
 
 from __future__ import annotations
 
+import json
+
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +66,19 @@ class Paging:
 def has_fronts(store: Store, job_id: str) -> bool:
     """True when some attempt of the job stored collective fronts (a large job)."""
     return any(store.count_fronts(job_id, a.number) for a in store.get_attempts(job_id))
+
+
+def _raw_ingest_max_ranks(config_json: str) -> int:
+    """``agent.raw_ingest_max_ranks`` of the job's stored config (its default when unset or
+    unreadable): above it, the job sent fronts instead of every collective."""
+    from fleet.controlplane.config import AgentConfig
+
+    default = AgentConfig.model_fields["raw_ingest_max_ranks"].default
+    try:
+        value = (json.loads(config_json or "{}").get("agent") or {}).get("raw_ingest_max_ranks", default)
+        return int(value)
+    except (ValueError, TypeError, AttributeError):
+        return default
 
 
 def pulled_traces(store: Store, job_id: str, attempt: Any) -> tuple[Any, Any, list[str], dict[str, int]]:
@@ -188,8 +203,11 @@ def fronts_report(store: Store, job_id: str, attempt: int | None, paging: Paging
                   "evidence": i.evidence, "detected_at": i.detected_at, "exit_code": i.exit_code,
                   "traceback": i.traceback} for i in records]
     out = []
+    raw_max = _raw_ingest_max_ranks(job.config_json)
     for a in attempts:
-        if store.count_fronts(job_id, a.number):
+        # an attempt of a large job that ended before any of its fronts were written is
+        # still a large job's: read around its pulled entries, never its every rank's groups
+        if store.count_fronts(job_id, a.number) or store.count_ranks(job_id, a.number) > raw_max:
             out.append(fronts_attempt(store, job_id, a, incidents, paging, last_steps))
         else:
             out.extend(replay_report(store, job_id, a.number)["attempts"])

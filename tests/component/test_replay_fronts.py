@@ -107,3 +107,23 @@ def test_standing_line_names_the_outlier_and_its_node() -> None:
     assert line.startswith("group dp0 (dp, 512 members): 511 ranks wait in all_reduce seq 812 since ")
     assert line.endswith("; rank 77 (node n9) is at seq 811 (1 behind) (all_reduce done), not waiting")
     assert s["outliers"] == [77] and s["missing"] == []
+
+
+def test_an_attempt_that_wrote_no_fronts_is_still_replayed_as_a_large_jobs(
+        job: FrontsJob, store: Store, store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # a large job's attempt that ended before its first fronts flush (a restart soon after
+    # placing): its ranks are above the job's agent.raw_ingest_max_ranks, so it is read as
+    # a large job's (around pulled entries), never as every rank's every collective
+    from sqlalchemy import text
+
+    with store._engine.begin() as c:  # the job as `fleet up` stores it: its config's agent section
+        c.execute(text("UPDATE jobs SET config_json = :c WHERE id = :j"),
+                  {"c": json.dumps({"agent": {"raw_ingest_max_ranks": RANKS // 2}}), "j": job.job})
+    second = store.create_attempt(job.job)
+    for rank in range(RANKS):
+        store.record_rank(job.job, second, rank, f"node-{rank // 8}", 2000 + rank)
+    code, out, _ = _run(capsys, "replay", job.job, "--store", store_url, "--json")
+    assert code == 0
+    attempts = json.loads(out)["attempts"]
+    assert [(a["attempt"], a.get("mode")) for a in attempts] == [(1, "fronts"), (second, "fronts")]
+    assert attempts[1]["fronts"]["count"] == 0 and attempts[1]["ranks_placed"] == RANKS
