@@ -57,9 +57,6 @@ from bench.scale_controller import TOKEN  # noqa: E402
 from bench.scale_schedule import Layout, Schedule, Trial, fault_at, p90  # noqa: E402
 
 LAG_SAMPLE_RANKS = 8
-#: ``controller.ingest_processes`` above ``SINGLE_PROCESS_RANKS`` ranks on PostgreSQL, by default.
-AUTO_INGEST_PROCESSES = 3
-SINGLE_PROCESS_RANKS = 4096
 POLL_S = 0.25
 
 
@@ -418,10 +415,14 @@ def replay(url: str, job: str, culprit: int | None) -> dict:
 
 def ingest_processes(args: argparse.Namespace, ranks: int) -> int:
     """The controller's ingest processes for a job of ``ranks``: ``--ingest-processes``, or
-    none up to ``SINGLE_PROCESS_RANKS`` (and on SQLite), ``AUTO_INGEST_PROCESSES`` above."""
+    what ``controller.ingest_processes: auto`` (the default) starts for it."""
+    from fleet.controlplane.config import AUTO_INGEST_MIN_RANKS, AUTO_INGEST_RANKS_PER_PROCESS
+
     if args.ingest_processes is not None:
         return args.ingest_processes
-    return AUTO_INGEST_PROCESSES if ranks > SINGLE_PROCESS_RANKS and args.store == "postgres" else 0
+    if ranks <= AUTO_INGEST_MIN_RANKS or args.store != "postgres":
+        return 0
+    return -(-ranks // AUTO_INGEST_RANKS_PER_PROCESS) + 1
 
 
 def run_one(args: argparse.Namespace, ranks: int, url: str, folder: Path, rng: random.Random,
@@ -529,8 +530,8 @@ def main() -> int:
                         help="128 ranks, SQLite, one hang trial (a desync trial with --desync), a small storm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ingest-processes", type=int, default=None,
-                        help="controller.ingest_processes (default: 0 up to 4,096 ranks or on SQLite, else "
-                        f"{AUTO_INGEST_PROCESSES})")
+                        help="controller.ingest_processes (default: what its auto starts: none up to 4,096 "
+                        "ranks or on SQLite, else one per 8,192 ranks plus one)")
     args = parser.parse_args()
     if args.quick:
         args.ranks, args.store, args.trials, args.small_trials = "128", "sqlite", 1, 1

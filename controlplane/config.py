@@ -218,11 +218,12 @@ class ControllerConfig(_Section):
         "nodes, restarts) and of those fed by ingested batches; a scrape only reads the cached values. ETTR and "
         "lost time (`fleet report`'s) refresh as often, or less often on a job whose report costs more.",
     )
-    ingest_processes: int = Field(
-        0, ge=0, le=64,
+    ingest_processes: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
+        "auto",
         description="Processes that serve the agents' streams (validate, commit, ack) beside the controller, all "
-        "on ingest_port. 0: the controller's own process serves them on `port`. One Python process does about "
-        "one core's work: give a job of more than ~8,000 ranks 2 or more (PostgreSQL store only).",
+        "on ingest_port; 0: the controller's own process serves them on `port`. One Python process does about "
+        "one core's work. auto: none up to 4,096 ranks or on SQLite, else one per 8,192 ranks plus one (16,384 "
+        "ranks: 3). A number above 0 needs a PostgreSQL store.",
     )
     ingest_port: int = Field(
         0, ge=0, le=65535,
@@ -255,6 +256,11 @@ class StoreConfig(_Section):
         description="SQLAlchemy URL. Relative SQLite paths are relative to the working directory.",
     )
 
+
+#: ``controller.ingest_processes: auto``: none up to this many ranks, else one per
+#: ``AUTO_INGEST_RANKS_PER_PROCESS`` ranks plus one.
+AUTO_INGEST_MIN_RANKS = 4096
+AUTO_INGEST_RANKS_PER_PROCESS = 8192
 
 #: WorkerSpec fields cluster.yaml keeps in the ``agent:`` section (the worker -> agent channel).
 WORKER_REPORTING_FIELDS = ("report_interval_s", "fr_poll_interval_s")
@@ -878,11 +884,11 @@ class ClusterConfig(_Section):
                 f"controller.max_message_bytes ({c.max_message_bytes}) must exceed agent.batch_max_bytes "
                 f"({self.agent.batch_max_bytes}) by at least {MESSAGE_HEADROOM_BYTES} bytes of headroom"
             )
-        if c.ingest_processes and not self.store.url.startswith("postgresql"):
+        if c.ingest_processes not in (0, "auto") and not self.store.url.startswith("postgresql"):
             raise ValueError(f"controller.ingest_processes: {c.ingest_processes} needs a PostgreSQL store "
                              f"(store.url is {self.store.url.split(':', 1)[0]}:...; SQLite has one write lock)")
-        if c.ingest_port and not c.ingest_processes:
-            raise ValueError("controller.ingest_port: set only with controller.ingest_processes > 0")
+        if c.ingest_port and c.ingest_processes == 0:
+            raise ValueError("controller.ingest_port: set only with controller.ingest_processes other than 0")
         if self.ray.address is None and self.job.nodes > self.ray.nodes:
             raise ValueError(
                 f"job.nodes ({self.job.nodes}) exceeds the local cluster's ray.nodes "
@@ -917,6 +923,16 @@ class ClusterConfig(_Section):
                                  f"but {problem} ({layout})")
         return self
 
+
+    def ingest_processes(self) -> int:
+        """How many ingest processes serve the agents (``controller.ingest_processes``,
+        ``auto`` resolved for this job and store)."""
+        n = self.controller.ingest_processes
+        if n != "auto":
+            return n
+        if self.job.world_size <= AUTO_INGEST_MIN_RANKS or not self.store.url.startswith("postgresql"):
+            return 0
+        return -(-self.job.world_size // AUTO_INGEST_RANKS_PER_PROCESS) + 1
 
     def agent_spill_dir(self) -> Path:
         """Absolute folder agents spill to (``agent.spill_dir``, else ``<state_dir>/spill``)."""

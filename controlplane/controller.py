@@ -223,10 +223,10 @@ class Controller:
         ).start()
         self.address = self.agent_address = server.address
         try:
-            if cfg.controller.ingest_processes:
-                self._progress(f"starting {cfg.controller.ingest_processes} ingest processes")
+            if processes := cfg.ingest_processes():
+                self._progress(f"starting {processes} ingest processes")
                 self._shards = IngestShards(
-                    cfg.controller.ingest_processes, store_url=cfg.store.url, host=cfg.controller.host,
+                    processes, store_url=cfg.store.url, host=cfg.controller.host,
                     port=cfg.controller.ingest_port, token=self._token, controller_id=f"ctl-{os.getpid()}",
                     registry=self._registry, observer=observer, on_node_check=self._node_checks.observe,
                     metrics=self._metrics, max_message_bytes=cfg.controller.max_message_bytes,

@@ -182,8 +182,24 @@ def test_ingest_processes_need_a_postgresql_store() -> None:
 
 
 def test_an_ingest_port_without_ingest_processes_is_rejected() -> None:
-    msg = _error("controller:\n  ingest_port: 7000\n")
-    assert "controller.ingest_port: set only with controller.ingest_processes > 0" in msg
+    msg = _error("controller:\n  ingest_processes: 0\n  ingest_port: 7000\n")
+    assert "controller.ingest_port: set only with controller.ingest_processes other than 0" in msg
+
+
+@pytest.mark.parametrize(("nodes", "store", "expected"), [
+    (2, "postgresql+psycopg://u@127.0.0.1/f", 0),        # examples/local.yaml's 4 ranks
+    (512, "postgresql+psycopg://u@127.0.0.1/f", 0),      # 4,096 ranks: one process holds
+    (513, "postgresql+psycopg://u@127.0.0.1/f", 2),      # 4,104 ranks
+    (2048, "postgresql+psycopg://u@127.0.0.1/f", 3),     # 16,384 ranks
+    (4096, "postgresql+psycopg://u@127.0.0.1/f", 5),     # 32,768 ranks
+    (2048, "sqlite:///x.db", 0),                         # SQLite has one write lock
+])
+def test_auto_ingest_processes_follow_the_job_size_and_the_store(nodes: int, store: str, expected: int) -> None:
+    text = (f"ray:\n  address: 10.0.0.1:6379\njob:\n  nodes: {nodes}\n  ranks_per_node: 8\n"
+            f"store:\n  url: {store}\n")
+    cfg = parse_cluster_yaml(text, SRC)
+    assert cfg.controller.ingest_processes == "auto"
+    assert cfg.ingest_processes() == expected
 
 
 def test_job_nodes_above_local_ray_nodes_is_rejected() -> None:
