@@ -204,6 +204,9 @@ class ProcessGroupRow(Base):
     tell a member that never entered a collective from a rank outside the group."""
 
     __tablename__ = "process_groups"
+    __table_args__ = (
+        Index(None, "job_id", "attempt", "group_name", "rank"),  # one group's members: Store.group_members
+    )
 
     job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN), primary_key=True)
     attempt: Mapped[int] = mapped_column(Integer, primary_key=True)

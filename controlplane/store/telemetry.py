@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import bindparam, case, func, select
 from sqlalchemy.exc import DataError, IntegrityError
 
 from fleet.controlplane.store import ingest
@@ -553,14 +553,17 @@ class TelemetryMethods(StoreBase):
         """The declared members of each of ``groups`` (one member's declaration read per group;
         a group nobody declared is absent)."""
         p = ProcessGroupRow.__table__.c
-        first = (select(p.group_name, func.min(p.rank).label("rank"))
-                 .where(p.job_id == job_id, p.attempt == attempt, p.group_name.in_(list(groups)))
-                 .group_by(p.group_name).subquery())
-        stmt = (select(p.group_name, p.ranks)
-                .join(first, (first.c.group_name == p.group_name) & (first.c.rank == p.rank))
-                .where(p.job_id == job_id, p.attempt == attempt))
+        # one probe of the (job, attempt, group, rank) index per group: a group's first
+        # declaration, whatever the attempt's size
+        stmt = (select(p.ranks).where(p.job_id == job_id, p.attempt == attempt, p.group_name == bindparam("g"))
+                .order_by(p.rank).limit(1))
+        out: dict[str, tuple[int, ...]] = {}
         with self._tx(write=False) as s:
-            return {g: tuple(json.loads(text)) for g, text in s.execute(stmt)}
+            for g in dict.fromkeys(groups):
+                text = s.execute(stmt, {"g": g}).scalar()
+                if text is not None:
+                    out[g] = tuple(json.loads(text))
+        return out
 
     def pulled_ranks(self, job_id: str, attempt: int) -> dict[str, set[int]]:
         """Per group (``:p2p`` groups under their group's name), the ranks with stored

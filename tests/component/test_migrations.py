@@ -61,7 +61,7 @@ def test_upgrade_from_empty_reaches_head_and_matches_the_models(store_url: str,
                                                                  engine: Engine) -> None:
     assert migrate.inspect_url(store_url).state == migrate.EMPTY
     assert migrate.upgrade_url(store_url) == (None, migrate.head())
-    assert migrate.current(engine) == migrate.head() == "0008"
+    assert migrate.current(engine) == migrate.head() == "0009"
     with engine.connect() as conn:
         # Alembic misreads SQLite's DEFAULT '' as a difference; its defaults are checked below.
         ctx = MigrationContext.configure(conn, opts={
@@ -70,7 +70,7 @@ def test_upgrade_from_empty_reaches_head_and_matches_the_models(store_url: str,
         defaults = {c["name"]: c["default"] for c in inspect(conn).get_columns("nodes")}
         assert [defaults["health"].split("::")[0], defaults["health_reason"].split("::")[0]] == [
             "'unknown'", "''"]
-    assert migrate.upgrade_url(store_url) == ("0008", "0008")
+    assert migrate.upgrade_url(store_url) == ("0009", "0009")
 
 
 def test_at_head_opening_costs_one_query(store_url: str) -> None:
@@ -80,7 +80,7 @@ def test_at_head_opening_costs_one_query(store_url: str) -> None:
     event.listen(eng, "before_cursor_execute",
                  lambda _c, _cur, sql, *_a: statements.append(sql.strip().upper()))
     try:
-        assert migrate.upgrade(write) == ("0008", "0008")
+        assert migrate.upgrade(write) == ("0009", "0009")
     finally:
         eng.dispose()
     assert [s for s in statements if s not in ("BEGIN", "ROLLBACK", "COMMIT")] == [
@@ -112,7 +112,7 @@ def test_store_made_before_migrations_is_stamped_and_upgraded(store_url: str,
             "('n1', 'r1', 'h1', '{}', 'quarantined', 'bad GEMM', 5.0, 6.0)"))
     assert migrate.inspect_url(store_url).state == migrate.UNVERSIONED
 
-    assert migrate.upgrade_url(store_url) == ("0001", "0008")
+    assert migrate.upgrade_url(store_url) == ("0001", "0009")
     with Store(store_url) as store:
         job = store.get_job("j-old")
         assert (job.name, job.state.value, job.steps_completed) == ("llama", "RUNNING", 3)
@@ -127,7 +127,7 @@ def test_store_made_before_migrations_is_stamped_and_upgraded(store_url: str,
                 for t in store.node_history("n1")] == [(None, "quarantined", "bad GEMM", "migration", None, 5.0)]
         store.release_node("n1")
         assert [t.actor for t in store.node_history("n1")] == ["migration", "operator"]
-    assert migrate.current(engine) == "0008"
+    assert migrate.current(engine) == "0009"
 
 
 def test_store_made_before_migrations_that_lacks_a_table_is_refused(store_url: str,
@@ -220,19 +220,19 @@ def test_concurrent_first_opens_from_processes(store_url: str, tmp_path: Path) -
 def test_fleet_db_upgrade_and_current(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["db", "current", "--url", store_url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "url": store_url, "current": None, "head": "0008", "state": "empty"}
+        "url": store_url, "current": None, "head": "0009", "state": "empty"}
 
     assert main(["db", "upgrade", "--url", store_url]) == 0
     out = capsys.readouterr().out
-    assert out.strip() == f"store {store_url} upgraded (empty) -> 0008"
+    assert out.strip() == f"store {store_url} upgraded (empty) -> 0009"
     assert main(["db", "upgrade", "--url", store_url]) == 0
-    assert capsys.readouterr().out.strip() == f"store {store_url} already at 0008 (head)"
+    assert capsys.readouterr().out.strip() == f"store {store_url} already at 0009 (head)"
 
     assert main(["db", "current", "--url", store_url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "url": store_url, "current": "0008", "head": "0008", "state": "head"}
+        "url": store_url, "current": "0009", "head": "0009", "state": "head"}
     assert main(["db", "current", "--url", store_url]) == 0
-    assert capsys.readouterr().out.strip() == f"store {store_url} at 0008 (head)"
+    assert capsys.readouterr().out.strip() == f"store {store_url} at 0009 (head)"
 
 
 def test_fleet_db_with_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -240,7 +240,7 @@ def test_fleet_db_with_a_cluster_file(tmp_path: Path, capsys: pytest.CaptureFixt
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(f"name: demo\nstore:\n  url: {url}\n")
     assert main(["db", "upgrade", "--cluster", str(cluster)]) == 0
-    assert capsys.readouterr().out.strip() == f"store {url} upgraded (empty) -> 0008"
+    assert capsys.readouterr().out.strip() == f"store {url} upgraded (empty) -> 0009"
 
 
 @pytest.mark.parametrize("url, code", [
@@ -259,7 +259,7 @@ def test_fleet_db_with_a_bad_url(verb: str, url: str, code: int,
     assert "Traceback" not in out + err
 
 
-REVISIONS = ["0001", "0002", "0003", "0004", "0005", "0006", "0007"]
+REVISIONS = ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008"]
 BEFORE_NODE_HISTORY = [r for r in REVISIONS if r < "0004"]
 
 
