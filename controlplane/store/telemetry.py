@@ -18,7 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, case, func, select
+from sqlalchemy import Float, bindparam, case, cast, func, select
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DataError, IntegrityError
 
 from fleet.controlplane.store import ingest
@@ -55,15 +56,23 @@ def _collective_record(r: Any) -> CollectiveRecord:
     return CollectiveRecord(
         job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
         group_size=r.group_size, seq=r.seq, op=r.op,
-        input_sizes=_sizes(r.input_sizes), input_dtypes=tuple(json.loads(r.input_dtypes)),
-        output_sizes=_sizes(r.output_sizes), output_dtypes=tuple(json.loads(r.output_dtypes)),
+        input_sizes=_sizes(r.input_sizes), input_dtypes=_dtypes(r.input_dtypes),
+        output_sizes=_sizes(r.output_sizes), output_dtypes=_dtypes(r.output_dtypes),
         enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
         exit_estimated=bool(r.exit_estimated), duration_ns=r.duration_ns or None,
         timing=(r.timing or 0) if r.duration_ns else 0)
 
 
+# A job's collectives repeat a few shapes and dtypes: each text is parsed once (the
+# results are tuples, safe to share), which halves a large read's cost.
+@functools.lru_cache(maxsize=4096)
 def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(s) for s in json.loads(text))
+
+
+@functools.lru_cache(maxsize=1024)
+def _dtypes(text: str) -> tuple[str, ...]:
+    return tuple(json.loads(text))
 
 
 @functools.lru_cache(maxsize=64)
@@ -615,23 +624,34 @@ class TelemetryMethods(StoreBase):
         ``imbalanced_ranks`` (ranks with an imbalanced MoE layer). Index range only."""
         st = Step.__table__.c
         where = [st.job_id == job_id, st.attempt == attempt]
+        postgres = self.dialect == "postgresql"
         with self._tx(write=False) as s:
-            lo, hi, n = s.execute(select(func.min(st.step), func.max(st.step),
-                                         func.count(func.distinct(st.step))).where(*where)).one()
+            hi = s.execute(select(func.max(st.step)).where(*where)).scalar()   # an index probe
             if hi is None:
                 return 0, []
+            # distinct steps from the (job, attempt, step) index alone
+            n = s.execute(select(func.count()).select_from(
+                select(st.step).where(*where).distinct().subquery())).scalar()
             if last:
                 where.append(st.step > hi - last)  # step numbers count up by one: the newest `last`
-            agg = (select(st.step, func.count(), func.avg(st.loss), func.avg(st.step_time_s),
-                          func.max(st.step_time_s), func.sum(st.tokens_per_s), func.avg(st.grad_norm),
-                          func.avg(st.lr), func.avg(st.aux_loss), func.avg(st.mfu),
-                          func.sum(case((st.imbalanced, 1), else_=0)))
-                   .where(*where).group_by(st.step).order_by(st.step))
+            cols = [st.step, func.count(), func.avg(st.loss), func.avg(st.step_time_s),
+                    func.max(st.step_time_s), func.sum(st.tokens_per_s), func.avg(st.grad_norm),
+                    func.avg(st.lr), func.avg(st.aux_loss), func.avg(st.mfu),
+                    func.sum(case((st.imbalanced, 1), else_=0))]
+            if postgres:
+                # the slowest rank in the same pass: arrays compare element by element, so the
+                # greatest [step_time_s, -rank] is the slowest step time's lowest rank
+                cols.append(func.max(postgresql.array([st.step_time_s, -cast(st.rank, Float)])))
+            agg = select(*cols).where(*where).group_by(st.step).order_by(st.step)
             rows = s.execute(agg).all()
-            top = agg.with_only_columns(st.step, func.max(st.step_time_s).label("t")).order_by(None).subquery()
-            slow = dict(s.execute(select(st.step, func.min(st.rank))
-                                  .join(top, (top.c.step == st.step) & (top.c.t == st.step_time_s))
-                                  .where(*where).group_by(st.step)).all())
+            if postgres:
+                slow = {row[0]: int(-row[-1][1]) for row in rows}
+                rows = [row[:-1] for row in rows]
+            else:
+                top = agg.with_only_columns(st.step, func.max(st.step_time_s).label("t")).order_by(None).subquery()
+                slow = dict(s.execute(select(st.step, func.min(st.rank))
+                                      .join(top, (top.c.step == st.step) & (top.c.t == st.step_time_s))
+                                      .where(*where).group_by(st.step)).all())
         return int(n), [
             {"step": int(step), "ranks": int(k), "loss": float(loss), "step_time_s_mean": float(mean),
              "step_time_s_max": float(mx), "slowest_rank": int(slow.get(step, -1)),

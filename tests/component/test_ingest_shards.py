@@ -17,7 +17,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 import psutil
@@ -35,19 +35,12 @@ from fleet.controlplane.store.ingest import PreparedBatch
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from fleet.proto.contract import CONNECT_METHOD_PATH, TOKEN_METADATA_KEY
 from tests.component.conftest import TOKEN
+from tests.component.test_agent_stream import _wait
 
 pytestmark = pytest.mark.timeout(120)
 
 STREAMS = 12
 STEPS_PER_STREAM = 5
-
-
-def _wait(cond: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture

@@ -524,6 +524,25 @@ def test_incidents_on_a_node_span_jobs_and_respect_the_window(store: Store, job:
     assert store.incidents_on_node("node-0", since=time.time() + 60) == []
 
 
+def test_step_aggregates_name_the_slowest_rank_lowest_first_on_ties(store: Store, job: str) -> None:
+    times = {1: {0: 0.1, 1: 0.3, 2: 0.3, 3: 0.2},     # a tie at the top: the lower rank
+             2: {0: 0.5, 1: 0.1, 2: 0.1, 3: 0.1},
+             3: {0: 0.2, 1: 0.2, 2: 0.2, 3: 0.9}}
+    events = []
+    for step, by_rank in times.items():
+        for rank, t in by_rank.items():
+            ev = step_ev(job, step, rank=rank)
+            ev.step.step_time_s = t
+            events.append(ev)
+    store.record_batch("a", 1, 1, events)
+    recorded, steps = store.step_aggregates(job, 1, last=2)
+    assert recorded == 3
+    assert [(s["step"], s["ranks"], s["slowest_rank"], s["step_time_s_max"]) for s in steps] == [
+        (2, 4, 0, 0.5), (3, 4, 3, 0.9)]
+    assert store.step_aggregates(job, 1)[1][0]["slowest_rank"] == 1
+    assert store.step_aggregates(job, 2) == (0, [])
+
+
 def test_step_span_and_recoveries(store: Store, job: str) -> None:
     assert store.step_span(job, 1) is None
     store.record_batch("a", 1, 1, [step_ev(job, 4, rank=0), step_ev(job, 5, rank=1), step_ev(job, 3, rank=1)])

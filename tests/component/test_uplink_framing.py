@@ -7,8 +7,10 @@ start with the descriptor-derived key and parse with the generated ``AgentMessag
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -43,7 +45,9 @@ class RawConnect:
                 yield agent_pb2.ControllerMessage(ack=agent_pb2.Ack(epoch=msg.batch.epoch, seq=msg.batch.seq))
 
 
-def test_uplink_frames_batches_with_the_contract_tags() -> None:
+@contextlib.contextmanager
+def _raw_server() -> Iterator[tuple[RawConnect, int]]:
+    """A gRPC server on 127.0.0.1 whose Connect is a ``RawConnect``: (it, the port)."""
     handler = RawConnect()
     method = grpc.stream_stream_rpc_method_handler(
         handler, request_deserializer=None, response_serializer=agent_pb2.ControllerMessage.SerializeToString)
@@ -53,6 +57,19 @@ def test_uplink_frames_batches_with_the_contract_tags() -> None:
         contract.AGENT_SERVICE, {contract.CONNECT_METHOD: method}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    try:
+        yield handler, port
+    finally:
+        server.stop(0).wait(5)
+        executor.shutdown(wait=True)
+
+
+def test_uplink_frames_batches_with_the_contract_tags() -> None:
+    with _raw_server() as (handler, port):
+        _frame_batches(handler, port)
+
+
+def _frame_batches(handler: RawConnect, port: int) -> None:
     events = [events_pb2.Event(step=events_pb2.StepEvent(job_id="j", attempt=1, rank=0, step=s, loss=1.0 / s))
               for s in range(1, 301)]
     hello = agent_pb2.Hello(agent_id="agent-n0", node_name="n0", token=TOKEN, epoch=11)
@@ -66,8 +83,6 @@ def test_uplink_frames_batches_with_the_contract_tags() -> None:
             assert up.flush(20), up.stats()
     finally:
         up.close()
-        server.stop(0).wait(5)
-        executor.shutdown(wait=True)
     assert handler.tokens and set(handler.tokens) == {TOKEN}
     batches = [data for data in handler.raw
                if agent_pb2.AgentMessage.FromString(data).WhichOneof("msg") == "batch"]
@@ -92,17 +107,13 @@ def test_uplink_frames_batches_with_the_contract_tags() -> None:
 def _heartbeats_while_busy(collective_fronts: bool) -> tuple[int, int]:
     """(heartbeats while a report arrives every 20 ms for 1.2 s, heartbeats in the 0.6 s
     after the reports stop), heartbeat interval 0.1 s, batches every 0.05 s."""
+    with _raw_server() as (handler, port):
+        return _count_heartbeats(handler, port, collective_fronts)
+
+
+def _count_heartbeats(handler: RawConnect, port: int, collective_fronts: bool) -> tuple[int, int]:
     from fleet.agent.settings import AgentSettings
 
-    handler = RawConnect()
-    method = grpc.stream_stream_rpc_method_handler(
-        handler, request_deserializer=None, response_serializer=agent_pb2.ControllerMessage.SerializeToString)
-    executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="fleet-test-raw-connect")
-    server = grpc.server(executor)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        contract.AGENT_SERVICE, {contract.CONNECT_METHOD: method}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     settings = AgentSettings(batch_interval_s=0.05, heartbeat_interval_s=0.1, collective_fronts=collective_fronts)
     up = Uplink(controller_address=f"127.0.0.1:{port}", token=TOKEN,
                 hello=agent_pb2.Hello(agent_id="agent-n0", node_name="n0", token=TOKEN, epoch=1),
@@ -131,8 +142,6 @@ def _heartbeats_while_busy(collective_fronts: bool) -> tuple[int, int]:
         quiet = heartbeats() - before
     finally:
         up.close()
-        server.stop(0).wait(5)
-        executor.shutdown(wait=True)
     return busy, quiet
 
 
