@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -316,9 +317,8 @@ class RemoteSession:
 class _Shard:
     """One ingest process, seen from the controller: its socket and its streams."""
 
-    def __init__(self, spec: ShardSpec, owner: IngestShards) -> None:
+    def __init__(self, spec: ShardSpec) -> None:
         self.spec = spec
-        self._owner = owner
         self._send_lock = threading.Lock()
         self.sessions: dict[int, RemoteSession] = {}
         ours, theirs = socket.socketpair()
@@ -383,8 +383,7 @@ class IngestShards:
                 # every process binds first and starts listening only when all have bound:
                 # a lone early listener would take every agent that connects meanwhile
                 for i in range(processes):
-                    self.shards.append(_Shard(ShardSpec(**{**self._base.__dict__, "index": i, "port": self.port}),
-                                              self))
+                    self.shards.append(_Shard(dataclasses.replace(self._base, index=i, port=self.port)))
                 self._bind(self.shards)
         except BaseException:
             self.close()
@@ -506,7 +505,7 @@ class IngestShards:
             self._metrics.agents.dec(last["agents"])
         try:
             self.shards.remove(dead)
-            shard = _Shard(dead.spec, self)
+            shard = _Shard(dead.spec)
             self.shards.append(shard)
             self._bind([shard])
             log.warning("ingest process %d started again on port %d", dead.spec.index, self.port)
