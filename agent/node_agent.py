@@ -131,8 +131,9 @@ class _NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 self._worker_dropped[key] = request.dropped_events
         if new > 0:
             self._uplink.report_loss(new, f"rank {request.rank} of job {request.job_id} (attempt "
-                                          f"{request.attempt}) dropped its oldest events: its "
-                                          "report buffer was full while this agent was unreachable")
+                                          f"{request.attempt}) lost events before they reached this agent "
+                                          "(its report buffer was full while this agent was unreachable, "
+                                          "or its flight-recorder ring overwrote entries before they were read)")
 
     def Report(self, request: agent_pb2.WorkerReport, context: grpc.ServicerContext) -> agent_pb2.WorkerReply:
         self._note_worker_losses(request)

@@ -7,9 +7,12 @@ thread takes everything buffered by ``emit`` and sends it in one
 ``fleet.proto.columns``), then passes each returned ``Command`` to
 ``on_command``. It calls even with nothing to send, so commands still arrive. Status
 and checkpoint events are sent at once instead of waiting for the next report.
-Between reports the thread runs the event sources (``add_source``) on their own,
-possibly shorter, intervals. Reports and source polls fall on multiples of their
-interval on the wall clock (see ``_next_tick``).
+The event sources (``add_source``: the native flight-recorder ring, the process-group
+watch) run on a second thread (``fleet-sources-r{rank}``) on their own, shorter,
+intervals, so a Report call that waits on a slow or restarting agent (up to
+``call_timeout_s``) or a command being handled never delays a read of the ring: a
+256-entry ring holds about a second of a busy rank's collectives. Reports and source
+polls fall on multiples of their interval on the wall clock (see ``_next_tick``).
 
 Cost: a Report call costs the worker ~0.5 ms of CPU and its agent ~0.7 ms (measured
 on the 2-core development machine), against ~1 us per event, so the report interval,
@@ -24,8 +27,9 @@ Invariants:
     it to its write-ahead log and died before answering left the number there, and its
     successor answers the retry without taking the events twice. The buffer of events
     not yet in a report is bounded (``max_buffered``); beyond it the oldest events are
-    dropped and counted in ``dropped``, which every report carries so that the agent
-    records the loss with the controller.
+    dropped and counted in ``dropped``, which every report carries (with what the
+    sources lost, e.g. ring entries overwritten unread) so that the agent records the
+    loss with the controller.
   * The thread never dies silently: each tick's errors are caught and logged.
 
 With ``agent_address`` empty/None the reporter runs no thread and discards events
@@ -82,14 +86,18 @@ class Reporter:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._wake_sources = threading.Event()
         self._closed = False
         self._final_deadline = 0.0  # monotonic seconds; set by close()
         self._channel: grpc.Channel | None = None
         self._stub: agent_pb2_grpc.NodeAgentStub | None = None
         self._thread: threading.Thread | None = None
-        # (poll, interval_s, next due) run on the reporter thread before each report
+        # (poll, interval_s, next due), run on the sources thread; and the sources' own
+        # counts of events they lost before emitting them (reported with ``dropped``)
         self._sources: list[list] = []
         self._source_failing: set[int] = set()
+        self._source_losses: list[Callable[[], int]] = []
+        self._sources_thread: threading.Thread | None = None
         if spec.agent_address:
             # a restarted agent serves the same address: find it within a second, not
             # after gRPC's default reconnect backoff (up to two minutes)
@@ -99,6 +107,9 @@ class Reporter:
             self._thread = threading.Thread(
                 target=self._loop, name=f"fleet-reporter-r{spec.rank}", daemon=True)
             self._thread.start()
+            self._sources_thread = threading.Thread(
+                target=self._source_loop, name=f"fleet-sources-r{spec.rank}", daemon=True)
+            self._sources_thread.start()
 
     @property
     def enabled(self) -> bool:
@@ -124,16 +135,44 @@ class Reporter:
         if event.WhichOneof("kind") in _URGENT:
             self._wake.set()
 
-    def add_source(self, poll: Callable[..., object], interval_s: float) -> None:
-        """Call ``poll()`` on the reporter thread every ``interval_s`` seconds, and
+    def add_source(self, poll: Callable[..., object], interval_s: float,
+                   lost: Callable[[], int] | None = None) -> None:
+        """Call ``poll()`` on the sources thread every ``interval_s`` seconds, and
         ``poll(force=True)`` once more at close; it emits events itself. Used for the
         native flight recorder, whose ring must be read while the training thread is
-        stuck in a collective."""
-        self._sources.append([poll, interval_s, 0.0])
+        stuck in a collective. ``lost()``: how many events the source lost so far before
+        it could emit them; reports carry it in ``dropped_events``."""
+        with self._lock:
+            self._sources.append([poll, interval_s, 0.0])
+            if lost is not None:
+                self._source_losses.append(lost)
+        self._wake_sources.set()
+
+    @property
+    def lost(self) -> int:
+        """Events this rank lost before they reached the agent: dropped from the buffer,
+        plus what the sources lost (ring entries overwritten unread)."""
+        return self.dropped + sum(count() for count in self._source_losses)
+
+    def _source_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    due = min((src[2] for src in self._sources), default=time.monotonic() + 1.0)
+                self._wake_sources.wait(max(0.0, due - time.monotonic()))
+                self._wake_sources.clear()
+                if self._stop.is_set():
+                    break
+                self._poll_sources()
+        except BaseException:
+            log.exception("reporter sources thread crashed")
+            raise
 
     def _poll_sources(self, force: bool = False) -> None:
         now = time.monotonic()
-        for i, src in enumerate(self._sources):
+        with self._lock:
+            sources = list(enumerate(self._sources))
+        for i, src in sources:
             poll, interval_s, due = src
             if not force and now < due:
                 continue
@@ -162,6 +201,7 @@ class Reporter:
             self._final_deadline = time.monotonic() + timeout_s
             self._stop.set()
             self._wake.set()
+            self._wake_sources.set()
             self._thread.join(timeout=timeout_s + self.call_timeout_s)
             if self._thread.is_alive():
                 log.warning("reporter thread %s did not stop within %.1fs", self._thread.name, timeout_s)
@@ -186,14 +226,11 @@ class Reporter:
         next_report = _next_tick(self.spec.report_interval_s)
         try:
             while not self._stop.is_set():
-                due = min([next_report, *(src[2] for src in self._sources)])
-                woken = self._wake.wait(max(0.0, due - time.monotonic()))
+                woken = self._wake.wait(max(0.0, next_report - time.monotonic()))
                 self._wake.clear()
                 if self._stop.is_set():
                     break
-                self._poll_sources()
-                now = time.monotonic()
-                if not woken and now < next_report:
+                if not woken and time.monotonic() < next_report:
                     continue
                 next_report = _next_tick(self.spec.report_interval_s)
                 try:
@@ -216,6 +253,8 @@ class Reporter:
     def _final_flush(self) -> None:
         deadline = self._final_deadline
         self._wake.clear()
+        if self._sources_thread is not None:  # its last poll ends before the final one
+            self._sources_thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._poll_sources(force=True)
         while time.monotonic() < deadline:
             try:
@@ -246,7 +285,7 @@ class Reporter:
             self._report_id += 1
             report = agent_pb2.WorkerReport(
                 job_id=self.spec.job_id, attempt=self.spec.attempt, rank=self.spec.rank,
-                events=columns.pack_events(batch), dropped_events=self.dropped,
+                events=columns.pack_events(batch), dropped_events=self.lost,
                 reporter=self.reporter_id, report_id=self._report_id)
             try:
                 self._send(report, n, timeout_s)

@@ -17,10 +17,12 @@ message: the rank's environment, working directory, log file and program. The sh
   4. starts fleet's ``Session`` (native flight recorder streamed to the node agent,
      ``fleet.step``, faults) and runs the module or script as ``__main__`` with
      ``sys.argv`` set as ``python -m``/``python script`` would;
-  5. rank 0 keeps the store up until the other ranks' programs have ended too
-     (bounded), as torchrun's agent does; then it reports how it ended: the exit code is the program's (``sys.exit(n)``, 1 for an
-     uncaught exception, whose traceback is printed to the log as Python would and sent
-     to the launcher).
+  5. when the program succeeded, rank 0 keeps the store up until the other ranks'
+     programs have ended too (bounded), as torchrun's agent does, and the others check
+     out, with their output already closed (the log ends with the program's own lines);
+     then it reports how it ended: the exit code is the program's (``sys.exit(n)``, 1 for
+     an uncaught exception, whose traceback is printed to the log as Python would and
+     sent to the launcher).
 
 torch is imported at a lower CPU priority (``_import_in_background``), so warming
 spares never slows a training rank. It dies with its launcher (``PR_SET_PDEATHSIG``): a rank never outlives the process
@@ -106,6 +108,18 @@ def _serve_store(listen_fd: int, launch: dict[str, Any]) -> Any:
     return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), True,
                          timedelta(seconds=launch["pg_timeout_s"]), wait_for_workers=False,
                          master_listen_fd=listen_fd)
+
+
+def _quiet_output() -> None:
+    """Point stdout and stderr at /dev/null once the program has ended: what the shim does
+    after it (c10d's own errors when rank 0's store is already gone, dozens of lines with a
+    C++ stack) is not the program's output, and the rank's log tail must stay the program's."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    finally:
+        os.close(devnull)
 
 
 def _leave_rendezvous(store: Any, launch: dict[str, Any]) -> None:
@@ -237,7 +251,8 @@ def main(argv: list[str]) -> int:
     session.close(state, detail, timeout_s=1.0 if code else 5.0)
     sys.stdout.flush()
     sys.stderr.flush()
-    if code == 0 or store is None:  # rank 0 waits only when it succeeded: a failure ends the attempt
+    if code == 0:  # a failure ends the attempt: nobody waits for a failed rank to check out
+        _quiet_output()
         _leave_rendezvous(store, launch)
     return code
 

@@ -479,10 +479,15 @@ class _FlakyProxy:
 
     def close(self) -> None:
         self._closed = True
+        try:  # wakes the accept: closing alone leaves a thread blocked in accept(2)
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         self.cut()
         for t in [self._accept, *self._threads]:
             t.join(5)
+        assert not self._accept.is_alive(), "the proxy's accept thread did not end"
 
 
 def test_repeated_connection_drops_lose_and_duplicate_nothing(store: Store, store_url: str) -> None:

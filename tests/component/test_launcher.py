@@ -111,6 +111,8 @@ def test_sys_exit_codes_and_signals_are_the_programs(tmp_path: Path) -> None:
     with pytest.raises(RankExitError) as err:
         _run(_spec(tmp_path, script=_program(tmp_path, "import sys\nprint('bye')\nsys.exit(3)\n")))
     assert err.value.exit_code == 3 and "bye" in err.value.traceback  # the log's tail
+    # a failed rank does not check out of the rendezvous: no c10d noise after the program's lines
+    assert (tmp_path / "logs" / "attempt-2" / "rank-1.log").read_text().splitlines() == ["bye"]
     killer = _program(tmp_path, "import os, signal\nprint('about to die', flush=True)\n"
                       "os.kill(os.getpid(), signal.SIGKILL)\n", "kill.py")
     t0 = time.time()

@@ -36,6 +36,10 @@ def write_cluster(tmp: Path, *, steps: int, checkpoint_interval: int, **job: obj
     return path
 
 
+#: How often a watched `fleet up` has its process tree and listening sockets read, seconds.
+SAMPLE_EVERY_S = 0.5
+
+
 class FleetUp:
     """A `fleet up` child process, watched: its process tree and listening sockets."""
 
@@ -51,6 +55,7 @@ class FleetUp:
         )
         self.seen_pids: set[int] = set()
         self.listening: set[tuple[str, int, str]] = set()
+        self._sampled_at = 0.0
 
     def output(self) -> tuple[str, str]:
         """What `fleet up` has written so far: (stdout, stderr)."""
@@ -64,9 +69,15 @@ class FleetUp:
             f.close()
         return self.output()
 
-    def sample(self) -> None:
+    def sample(self, force: bool = False) -> None:
         """Record the process tree and every listening socket in it (one read of the
-        system's sockets, not one per process: that is slow with many sockets open)."""
+        system's sockets, not one per process: that is slow with many sockets open), at
+        most every ``SAMPLE_EVERY_S`` unless ``force``: each read costs milliseconds of
+        CPU that the run under test, on 2 cores, would otherwise get."""
+        now = time.monotonic()
+        if not force and now - self._sampled_at < SAMPLE_EVERY_S:
+            return
+        self._sampled_at = now
         try:
             tree = {p.pid: p for p in (psutil.Process(self.proc.pid),
                                        *psutil.Process(self.proc.pid).children(recursive=True))}
@@ -94,7 +105,10 @@ class FleetUp:
             self.sample()
             time.sleep(0.1)
 
-    def finish(self, timeout_s: float = 300) -> dict:
+    def finish(self, timeout_s: float = 240) -> dict:
+        """Wait for `fleet up` to end and return its JSON summary. The default stays under
+        pytest's 300 s per test, so a run that never ends fails here, with what the
+        controller and the ranks logged last, instead of in pytest-timeout's thread dump."""
         deadline = time.monotonic() + timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline:
             self.sample()
@@ -102,11 +116,30 @@ class FleetUp:
         try:
             out, self._err = self.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, self._err = self.wait()
-            raise AssertionError(f"fleet up did not finish in {timeout_s} s: {self._err[-3000:]}") from None
-        assert self.proc.returncode == 0, f"fleet up exited {self.proc.returncode}: {self._err[-3000:]}"
+            logs = self.log_tails()
+            self.proc.send_signal(signal.SIGINT)   # its own teardown first: Ray, agents, ranks
+            try:
+                out, self._err = self.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, self._err = self.wait()
+            raise AssertionError(f"fleet up did not finish in {timeout_s} s\n--- stderr ---\n"
+                                 f"{self._err[-3000:]}\n{logs}") from None
+        assert self.proc.returncode == 0, \
+            f"fleet up exited {self.proc.returncode}: {self._err[-3000:]}\n{self.log_tails()}"
         return json.loads(out)
+
+    def log_tails(self, lines: int = 40) -> str:
+        """The last lines of the controller's log and of every rank's log of this run."""
+        logs = self.tmp / ".fleet" / "logs"
+        parts = []
+        for path in [logs / "controller.log", *sorted(logs.glob("*/attempt-*/rank-*.log"))]:
+            try:
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+            except OSError:
+                continue
+            parts.append(f"--- {path.relative_to(self.tmp)} ---\n" + "\n".join(tail))
+        return "\n".join(parts)
 
     def stderr(self) -> str:
         return getattr(self, "_err", "") or ""
@@ -351,7 +384,7 @@ def test_ctrl_c_stops_the_job_and_tears_everything_down(tmp_path: Path) -> None:
             return store.last_step(job_id) >= 5
 
     run.wait_until(training, 180, "training to start")
-    run.sample()
+    run.sample(force=True)
     run.proc.send_signal(signal.SIGINT)
     try:
         _, err = run.wait(90)

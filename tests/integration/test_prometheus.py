@@ -77,7 +77,7 @@ def stop(run: FleetUp, started: float) -> None:
     """End a `fleet up` still running (Ctrl-C, then SIGKILL) and the processes it started, by PID
     (those seen in its tree and created since ``started``: a PID reused since is not ours)."""
     if run.proc.poll() is None:
-        run.sample()
+        run.sample(force=True)
         run.proc.send_signal(signal.SIGINT)
         try:
             run.wait(60)

@@ -157,8 +157,8 @@ class AttachedFleetUp(FleetUp):
         self.agent_links: set[tuple[int, int]] = set()
         super().__init__(tmp, cluster)
 
-    def sample(self) -> None:
-        super().sample()
+    def sample(self, force: bool = False) -> None:
+        super().sample(force=True)  # the agents' links and the ray CLI trees: every call counts
         trees = {node.name: node.tree() for node in self._nodes}
         everything = {pid: p for tree in trees.values() for pid, p in tree.items()}
         try:

@@ -268,3 +268,44 @@ def test_a_report_that_got_no_answer_is_sent_again_unchanged():
     assert [e.step.step for r in later for e in r.events] == [5, 6, 7]
     assert all(r.report_id > first.report_id for r in later)
     assert rep.send_failures == 1 and rep.pending == 0
+
+
+class _SlowAgent(AgentServer):
+    """An agent whose every Report answer waits on ``gate`` (a slow or restarting agent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.dropped_seen: list[int] = []
+
+    def Report(self, request, context):  # noqa: N802 - gRPC method name
+        self.dropped_seen.append(request.dropped_events)
+        self.gate.wait(5.0)
+        return super().Report(request, context)
+
+
+def test_sources_are_polled_while_a_report_waits_on_a_slow_agent():
+    # a 256-entry ring holds about a second of a busy rank's collectives: a Report call
+    # that waits on its agent for up to call_timeout_s must not hold its reads back
+    agent = _SlowAgent()
+    polls: list[float] = []
+    lost = [0]
+    try:
+        rep = Reporter(_spec(agent.address, interval_s=0.05))
+        rep.add_source(lambda force=False: polls.append(time.monotonic()), 0.05, lost=lambda: lost[0])
+        assert rep._sources_thread.name == "fleet-sources-r0" and rep._sources_thread.daemon
+        assert _until(lambda: agent.dropped_seen, 5.0), "no report reached the agent"
+        blocked_at = time.monotonic()   # the reporter thread is inside its first Report call now
+        assert _until(lambda: sum(t > blocked_at for t in polls) >= 8, 3.0), \
+            f"{sum(t > blocked_at for t in polls)} polls while the report waited"
+        lost[0] = 7          # the source lost 7 entries (a ring overwritten unread)
+        rep.emit(_step(1))
+        agent.gate.set()
+        assert _until(lambda: 7 in agent.dropped_seen, 5.0), agent.dropped_seen
+        assert rep.lost == 7 and rep.dropped == 0
+        rep.close(timeout_s=2.0)
+        assert not rep._sources_thread.is_alive()
+        assert [s.step for s in agent.of_kind("step")] == [1]
+    finally:
+        agent.gate.set()
+        agent.stop()
