@@ -198,6 +198,9 @@ class NativeFlightTail:
         # per group, in issue order: [enter_ns, exit_ns (0 while an async op runs), Timing wire]
         self._windows: dict[str, collections.deque[list[int]]] = collections.defaultdict(
             lambda: collections.deque(maxlen=4096))
+        # the training thread adds windows (``timed``) while the reporter's reads look them up
+        # (``_window``): a deque iterated by one thread and changed by another raises
+        self._windows_lock = threading.Lock()
         self._pending_since: dict[int, int] = {}  # record id -> when first seen retired, window open
         collective_timing.install(self.timed)
         self._groups: dict[str, tuple[int, events_pb2.Event | None]] = {}  # name -> (size, info)
@@ -221,13 +224,14 @@ class NativeFlightTail:
     def timed(self, group: str, enter_ns: int, exit_ns: int, timing: int = _WRAPPER) -> None:
         """The measured window of one op issued on ``group`` (``workers.collective_timing``;
         any thread). An async op reports twice: at issue with ``exit_ns`` 0, then done."""
-        windows = self._windows[group]
-        if exit_ns and timing == _ASYNC:
-            for w in reversed(windows):  # its issue is recent: a short scan from the end
-                if w[0] == enter_ns and w[1] == 0:
-                    w[1] = exit_ns
-                    return
-        windows.append([enter_ns, exit_ns, timing])
+        with self._windows_lock:
+            windows = self._windows[group]
+            if exit_ns and timing == _ASYNC:
+                for w in reversed(windows):  # its issue is recent: a short scan from the end
+                    if w[0] == enter_ns and w[1] == 0:
+                        w[1] = exit_ns
+                        return
+            windows.append([enter_ns, exit_ns, timing])
 
     # -- called by the reporter thread ---------------------------------------------------
 
@@ -321,23 +325,23 @@ class NativeFlightTail:
                             "raise TORCH_FR_BUFFER_SIZE before entries are lost", unread, self.ring_entries)
         for e in entries:
             rid = e["record_id"]
-            started = self._open.pop(rid, None)
+            started = self._open.get(rid)
             done = entry_done(e)
             if started is not None:
                 finished = self._finished(started, now_ns, e, rid) if done else None
                 if finished is not None:
                     self.sink(finished)
+                    del self._open[rid]
                     emitted += 1
-                else:
-                    self._open[rid] = started
                 continue
             if rid < self._next_record:
                 continue
-            self._next_record = rid + 1
+            # an entry counts as read only once it is shipped (or has nothing to ship): a
+            # read that fails half way leaves the rest for the next one, nothing is skipped
             event = self._convert(e)
             if event is None:
+                self._next_record = rid + 1
                 continue
-            self.collectives += 1
             finished = self._finished(event, now_ns, e, rid) if done else None
             if finished is not None:
                 self.sink(finished)
@@ -346,6 +350,8 @@ class NativeFlightTail:
                 self.sink(event)
                 # the sink may keep the message: the completion will be a copy
                 self._open[rid] = event
+            self._next_record = rid + 1
+            self.collectives += 1
             emitted += 1
         self.shipped += emitted
         return self.shipped - shipped_before
@@ -390,6 +396,10 @@ class NativeFlightTail:
     def _window(self, group: str, created_ns: int) -> list[int] | None:
         """The timed window that contains an entry created at ``created_ns`` (its exit 0
         while an async op runs), or None."""
+        with self._windows_lock:
+            return self._window_locked(group, created_ns)
+
+    def _window_locked(self, group: str, created_ns: int) -> list[int] | None:
         windows = self._windows.get(group)
         if not windows:
             return None

@@ -274,7 +274,11 @@ class Reporter:
         timeout_s = timeout_s or self.call_timeout_s
         if self._retry is not None:
             report, n = self._retry
-            self._send(report, n, timeout_s)   # raises: it stays for the next tick
+            try:
+                self._send(report, n, timeout_s)
+            except BaseException:   # it stays for the next tick
+                self.send_failures += 1
+                raise
             with self._lock:
                 self._retry = None
         while True:

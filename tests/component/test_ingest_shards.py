@@ -116,6 +116,8 @@ def test_streams_over_two_processes_are_stored_once_and_reach_the_controller(sto
                 # the controller's registry knows every stream, whichever process serves it
                 await asyncio.to_thread(_wait, lambda: len(registry.connected_nodes()) == STREAMS, 10,
                                         "every stream in the controller's registry")
+                # counted while the streams are open: each one's end is forwarded too
+                served.extend(len(s.sessions) for s in shards.shards)
                 # a command for node-3 reaches node-3's stream, through its process
                 registry.send("node-3", events_pb2.Command(command_id="c-3", job_id=job_id, attempt=attempt))
                 msg = await asyncio.wait_for(calls[3].read(), 10)
@@ -125,11 +127,11 @@ def test_streams_over_two_processes_are_stored_once_and_reach_the_controller(sto
                     await ch.close()
             return got
 
+        served: list[int] = []
         got = asyncio.run(agents())
         assert all(m[0].HasField("welcome") for m in got.values())
         assert got[3][-1].command.command_id == "c-3"
-        served = [len(s.sessions) for s in shards.shards]
-        assert sum(served) == STREAMS
+        assert sum(served) == STREAMS, served
         # every batch stored exactly once, and forwarded to the controller's observer
         rows = store.steps(job_id)
         assert sorted((r.rank, r.step) for r in rows) == sorted(

@@ -579,5 +579,7 @@ def test_failed_spill_writes_are_dropped_counted_and_reported(store, tmp_path: P
     assert all("EFBIG" in d.reason for d in drops), [d.reason for d in drops]
     # what was kept is stored exactly once
     assert len(store.steps(job_id)) == stats["acked_events"]
-    # one log line for the whole burst, not one per batch
-    assert stderr.count("dropping ") == 1, stderr
+    # one log line per burst, not one per batch: the batches dropped at submit are one
+    # burst; the partial batch cut later is a second one if it came more than
+    # DROP_BURST_GAP_S after (a slow, loaded machine between "submitted" and "go")
+    assert 1 <= stderr.count("dropping ") <= 2 < stats["dropped_batches"], (stats, stderr)

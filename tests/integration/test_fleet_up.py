@@ -245,6 +245,8 @@ def test_fleet_up_runs_a_job_to_success(tmp_path: Path) -> None:
         for rank in range(4):
             assert sorted(s.step for s in rows if s.rank == rank) == list(range(1, steps + 1))
         # collectives from every rank, consecutive sequence numbers, all completed, same count
+        # (and nothing reported lost on the way: a report buffer or a ring overwritten unread)
+        assert store.ingest_drops() == []
         colls = store.collectives(job.id, attempt=1)
         per_rank = {r: [c for c in colls if c.rank == r and c.group == "0"] for r in range(4)}
         counts = {len(v) for v in per_rank.values()}

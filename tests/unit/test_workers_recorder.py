@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -120,3 +121,64 @@ def test_native_entries_take_the_timed_windows():
         assert 0 < c.duration_ns and c.exit_ns - c.duration_ns <= c.enter_ns <= c.exit_ns
     assert raw.exit_estimated and (raw.duration_ns, raw.timing) == (0, 0)
     assert raw.exit_ns >= async_.exit_ns
+
+
+def test_timed_windows_are_safe_to_add_while_a_read_looks_them_up():
+    # the training thread adds a window per collective while the reporter's read looks one
+    # up: iterating a deque another thread changes raised "deque mutated during iteration",
+    # which failed the read half way (and, before reads resumed where they failed, lost
+    # the entry being converted)
+    tail = NativeFlightTail("job", 1, 0, lambda e: None, ring_entries=64)
+    stop = time.monotonic() + 1.0
+    errors: list[BaseException] = []
+
+    def add() -> None:
+        n = 0
+        while time.monotonic() < stop:
+            n += 1
+            tail.timed("0", n, 0)   # ops still running: none is dropped, a lookup scans them all
+
+    adder = threading.Thread(target=add)
+    adder.start()
+    try:
+        while time.monotonic() < stop:
+            try:
+                tail._window("0", time.monotonic_ns())
+            except RuntimeError as exc:
+                errors.append(exc)
+                break
+    finally:
+        adder.join()
+    assert errors == []
+
+
+def _failing_read(rank: int, world_size: int, port: int) -> list[bytes]:
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "64"
+    events: list[events_pb2.Event] = []
+    tail = NativeFlightTail("job", 1, rank, events.append, ring_entries=64)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for _ in range(4):
+            dist.all_reduce(torch.ones(3))
+        time.sleep(0.05)
+        window, calls = tail._window, []
+
+        def flaky(group: str, created_ns: int):  # noqa: ANN202
+            calls.append(created_ns)
+            if len(calls) == 2:
+                raise RuntimeError("deque mutated during iteration")
+            return window(group, created_ns)
+
+        tail._window = flaky
+        with pytest.raises(RuntimeError):
+            tail.poll(force=True)        # fails on the second entry
+        tail.poll(force=True)            # the next read goes on from there
+    finally:
+        dist.destroy_process_group()
+    return [e.SerializeToString() for e in events]
+
+
+def test_a_read_that_fails_half_way_loses_and_repeats_nothing():
+    events = [events_pb2.Event.FromString(b) for b in run_ranks(_failing_read, 1)[0]]
+    seqs = [e.collective.seq for e in events if e.WhichOneof("kind") == "collective"]
+    assert seqs == [1, 2, 3, 4], seqs
