@@ -109,7 +109,7 @@ class FlightHandle:
             self.reporter = Reporter(spec)
             self.tail = NativeFlightTail(job_id, attempt, rank, self.reporter.emit,
                                          ring_entries=ring_entries, poll_interval_s=poll_interval_s)
-            self.reporter.add_source(self.tail.poll, self.tail.probe_interval_s, lost=lambda: self.tail.lost)
+            self.reporter.follow(self.tail)
         if dump_dir is not None:
             self.watch = DumpWatch(dump_policy or DumpPolicy(), self._write, lambda: self._steps)
             atexit.register(self._close_at_exit)

@@ -45,11 +45,15 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
 from fleet.proto import agent_pb2, agent_pb2_grpc, columns, events_pb2
 from fleet.workers.spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from fleet.workers.native_fr import NativeFlightTail
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +151,11 @@ class Reporter:
             if lost is not None:
                 self._source_losses.append(lost)
         self._wake_sources.set()
+
+    def follow(self, tail: NativeFlightTail) -> None:
+        """Read the native flight recorder's ring through ``tail`` (every probe interval,
+        once more at close) and report the entries it lost."""
+        self.add_source(tail.poll, tail.probe_interval_s, lost=lambda: tail.lost)
 
     @property
     def lost(self) -> int:

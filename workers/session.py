@@ -102,7 +102,7 @@ class Session:
         if spec.fr_buffer_entries and native_fr.available():
             self.tail = NativeFlightTail(spec.job_id, spec.attempt, spec.rank, self.reporter.emit,
                                          ring_entries=spec.fr_buffer_entries, poll_interval_s=spec.fr_poll_interval_s)
-            self.reporter.add_source(self.tail.poll, self.tail.probe_interval_s, lost=lambda: self.tail.lost)
+            self.reporter.follow(self.tail)
         self._on_pg_ready = on_pg_ready
         self._pg_ready = False
         self._pg_lock = threading.Lock()

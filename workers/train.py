@@ -145,7 +145,7 @@ def run(spec: WorkerSpec, listen_socket: socket.socket | None = None, *,
     if spec.fr_buffer_entries and native_fr.available():
         tail = NativeFlightTail(spec.job_id, spec.attempt, spec.rank, reporter.emit,
                                 ring_entries=spec.fr_buffer_entries, poll_interval_s=spec.fr_poll_interval_s)
-        reporter.add_source(tail.poll, tail.probe_interval_s, lost=lambda: tail.lost)
+        reporter.follow(tail)
     result: dict = {}
     failed = False
     try:

@@ -191,7 +191,7 @@ def _hang_native(rank: int, world_size: int, port: int, agent_address: str) -> i
     os.environ["TORCH_FR_BUFFER_SIZE"] = "64"
     with Reporter(_spec(agent_address, rank=rank)) as rep:
         tail = NativeFlightTail("job", 1, rank, rep.emit, ring_entries=64, poll_interval_s=0.1)
-        rep.add_source(tail.poll, tail.probe_interval_s)
+        rep.follow(tail)
         dist.init_process_group("gloo", store=loopback_store(rank, world_size, port), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=30))
         try:
