@@ -11,10 +11,13 @@ stream per node of 8 ranks, layout and schedule in ``bench.scale_schedule``: TP 
 DP R/32, ``--per-step`` collectives a step of ``--step-s``).
 
 Measured per R, each trial a fresh attempt:
-  * steady window (first trial, before the fault): controller CPU seconds per second per
-    rank (``controller_cpu_s_per_rank_s``), controller RSS, the agents' CPU, ingest lag (a
-    step's ``end_ns`` -> its row visible in the store, polled for a few sampled ranks; p90;
-    an upper bound by the poll period), acks (max gap between two acks of one stream);
+  * steady window (first trial, before the fault, after ``--warmup-s`` of the attempt):
+    controller CPU seconds per second per rank (``controller_cpu_s_per_rank_s``),
+    controller RSS, the agents' CPU, ingest lag (a step's ``end_ns`` -> the snapshot of
+    the first store query that sees its row, polled for a few sampled ranks; p90; an upper
+    bound by the poll period), acks (max gap between two acks of one stream). The same
+    lag over the warm-up itself, the attempt's start (every rank's groups declared, every
+    front new), is ``ingest_lag_start_s``;
   * hang trials: a random rank (seeded) stops entering collectives; ``detect_s`` = p90 of
     (incident's ``detected_at`` - the fault's onset) over trials whose incident names the
     right rank AND node; ``named`` counts them. A trial with no incident in
@@ -41,6 +44,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -223,29 +227,32 @@ class Run:
             time.sleep(POLL_S)
         return {"kind": None, "named": False, "detect_s": None}
 
-    def steady(self, window_s: float) -> dict:
-        """Controller CPU, RSS, agents' CPU, ingest lag and ack gaps over ``window_s``."""
+    def lags(self, window_s: float) -> tuple[list[float], list[float]]:
+        """For ``window_s``: (each sampled rank's new step's ingest lag, from its end to the
+        snapshot of the store query that first saw it; each query's duration)."""
         from sqlalchemy import bindparam, create_engine, text
 
         rng = random.Random(self.ranks)
         sample = sorted(rng.sample(range(self.ranks), min(LAG_SAMPLE_RANKS, self.ranks)))
         q = text("SELECT rank, step, end_ns FROM steps WHERE job_id = :j AND attempt = :a AND step > :s "
                  "AND rank IN :r").bindparams(bindparam("r", expanding=True))
-        for a in self.agents:
-            a.send({"cmd": "reset"})
-        ctl0, agents0, t0 = self.ctl.cpu_s(), sum(a.cpu_s() for a in self.agents), time.monotonic()
-        store0 = _cpu_of(self.store_pids())
         seen: set[tuple[int, int]] = set()
         newest = 0
         lags: list[float] = []
+        query_s: list[float] = []
         polls = 0
+        t0 = time.monotonic()
         engine = create_engine(self.url)
         try:
             while time.monotonic() - t0 < window_s:
                 with engine.connect() as c:
+                    # a row this query sees was committed before its snapshot, taken as the
+                    # statement starts: its lag is measured to then, not to when the answer
+                    # came back (the query's own time on a loaded server is not ingest lag)
+                    now = time.time()
                     rows = c.execute(q, {"j": self.job, "a": self.attempt, "s": max(0, newest - 3),
                                          "r": sample}).all()
-                now = time.time()
+                    query_s.append(time.time() - now)
                 for rank, step, end_ns in rows:
                     if (rank, step) not in seen:
                         seen.add((rank, step))
@@ -256,6 +263,15 @@ class Run:
                 time.sleep(POLL_S)
         finally:
             engine.dispose()
+        return lags, query_s
+
+    def steady(self, window_s: float) -> dict:
+        """Controller CPU, RSS, agents' CPU, ingest lag and ack gaps over ``window_s``."""
+        for a in self.agents:
+            a.send({"cmd": "reset"})
+        ctl0, agents0, t0 = self.ctl.cpu_s(), sum(a.cpu_s() for a in self.agents), time.monotonic()
+        store0 = _cpu_of(self.store_pids())
+        lags, query_s = self.lags(window_s)
         took = time.monotonic() - t0
         ctl_cpu = (self.ctl.cpu_s() - ctl0) / took
         agents_cpu = (sum(a.cpu_s() for a in self.agents) - agents0) / took
@@ -267,6 +283,7 @@ class Run:
                 "agents_cpu_s_per_s": round(agents_cpu, 3),
                 "store_cpu_s_per_s": round(store_cpu, 3),
                 "ingest_lag_s": round(p90(lags), 3) if lags else None, "lag_samples": len(lags),
+                "lag_query_s": round(statistics.median(query_s), 3) if query_s else None,
                 "max_ack_gap_s": round(max(s["max_ack_gap_s"] for s in st), 3),
                 "agents_tick_cpu_s": round(max(s["tick_cpu_s"] for s in st), 4)}
 
@@ -447,12 +464,17 @@ def run_one(args: argparse.Namespace, ranks: int, url: str, folder: Path, rng: r
             run._steps_before_attempt = sum(s["steps"] for s in run.stats())
             run.new_attempt()
             if t == 0:
-                time.sleep(args.warmup_s)
+                # the attempt's start (every rank declares its groups, every front is new):
+                # its backlog is measured on its own, then the steady state
+                start, _ = run.lags(args.warmup_s)
                 out.update(run.steady(args.window_s))
+                out["ingest_lag_start_s"] = round(p90(start), 3) if start else None
                 _say(f"  steady: controller {out['controller_cpu_s_per_s']:.2f} CPU s/s "
                      f"({out['controller_cpu_s_per_rank_s'] * 1e6:.1f} us per rank-second), "
                      f"RSS {out['controller_rss_mib']:.0f} MiB; agents {out['agents_cpu_s_per_s']:.2f} CPU s/s; "
-                     f"ingest lag p90 {out['ingest_lag_s']} s; max ack gap {out['max_ack_gap_s']} s")
+                     f"ingest lag p90 {out['ingest_lag_s']} s (its query took {out['lag_query_s']} s, median); "
+                     f"max ack gap {out['max_ack_gap_s']} s; in the attempt's first {args.warmup_s:g} s "
+                     f"ingest lag p90 {out['ingest_lag_start_s']} s")
             else:
                 time.sleep(args.trial_warmup_s)
             culprit = rng.randrange(ranks)
@@ -516,7 +538,8 @@ def main() -> int:
                         help="how often each agent sends a batch (default: what a real agent of a job "
                         "of R ranks uses under the default cluster.yaml)")
     parser.add_argument("--hang-factor", type=float, default=None, help="DetectConfig.hang_factor (default its own)")
-    parser.add_argument("--warmup-s", type=float, default=6.0)
+    parser.add_argument("--warmup-s", type=float, default=12.0,
+                        help="the attempt's start before the steady window (its ingest lag reported apart)")
     parser.add_argument("--trial-warmup-s", type=float, default=5.0)
     parser.add_argument("--window-s", type=float, default=8.0)
     parser.add_argument("--settle-s", type=float, default=2.0, help="storm: streaming before the kill and after")
@@ -588,6 +611,7 @@ def main() -> int:
         "ranks": [r["ranks"] for r in results],
         "detect_s": [r.get("detect_s") for r in results],
         "ingest_lag_s": [r.get("ingest_lag_s") for r in results],
+        "ingest_lag_start_s": [r.get("ingest_lag_start_s") for r in results],
         "controller_cpu_s_per_rank_s": [r.get("controller_cpu_s_per_rank_s") for r in results],
         "controller_rss_mib": [r.get("controller_rss_mib") for r in results],
         "agents_cpu_s_per_s": [r.get("agents_cpu_s_per_s") for r in results],

@@ -50,8 +50,8 @@ intervals) for the flight recorder's verdict to hold.
 A large job (its agents send collective fronts, not collectives): the fronts are folded
 into ``controlplane.wavefront.Wavefronts``; while a hang is suspected, its verdict names
 the suspects and their groups, the agents of those groups' members are asked for their
-newest ``PULL_ENTRIES`` raw entries (a ``TracePull`` through ``send``; already at half
-the hang threshold, so that they are stored when it passes), and once every
+newest ``PULL_ENTRIES`` raw entries (a ``TracePull`` through ``send``; already at
+``PREFETCH_AT`` of the hang threshold, so that they are stored when it passes), and once every
 member's entries are stored the flight recorder diagnoses those groups. Entries that do
 not come within ``PULL_WAIT_S`` leave the decision to the fronts' own verdict. The
 straggler check and the collective-cadence hang threshold of jobs without steps need raw
@@ -131,6 +131,10 @@ ARRIVALS_PER_STEP = 4096
 PULL_ENTRIES = 32
 #: How long the watchdog waits for pulled entries before it decides on the fronts alone.
 PULL_WAIT_S = 2.0
+#: The share of the hang threshold a large job has stalled for (and its suspects waited
+#: for) when their raw entries are asked for: a pull's answers take a second or two from
+#: hundreds of agents on a loaded controller, and must be in when the threshold passes.
+PREFETCH_AT = 1 / 3
 
 #: Seconds between recomputations of the step-based hang threshold (a median over up to
 #: STEP_TIMES_PER_RANK steps of every rank: 80,000 values at 4,096 ranks).
@@ -341,6 +345,8 @@ class Watchdog:
                 return
             for arrival_ns, batch in batches:
                 found += self._ingest(w, arrival_ns, batch)
+            if w.arrivals:  # once per check: each judgement reads every rank's newest step
+                found += self._stragglers(w)
             self._fronts(w, batches)
             if self._paused:
                 return
@@ -422,15 +428,15 @@ class Watchdog:
             if w.pulled is None:
                 w.pulled = PulledEntries(job, number)
             w.pulled.add(batch.collective_rows())
-        if batch.collectives:
+        # Once fronts came, collectives are only such entries: old by design, they say
+        # nothing of cadence, lag, stragglers or bandwidth (the job is judged by its steps
+        # and fronts), and a pull's hundreds of answers come as a hang is being confirmed.
+        if batch.collectives and not (w.fronts is not None and w.fronts.rows_applied):
             started, fresh = self._collectives(w, batch.collective_rows())
             # Without steps, completions are the progress judged, so their delivery counts too.
             new = started if w.last_end_ns else fresh
-            # A large job's collectives are entries pulled on suspicion, old by design:
-            # their age is not delivery lag (its fronts' is)
-            if new is not None and not (w.fronts is not None and w.fronts.rows_applied):
+            if new is not None:
                 oldest_new = new if oldest_new is None else min(oldest_new, new)
-            found += self._stragglers(w)
             if w.slow_comm is not None:
                 w.slow_comm.add(batch.collective_rows())
         if oldest_new is not None:
@@ -590,8 +596,8 @@ class Watchdog:
             w.threshold_due = now + THRESHOLD_EVERY_S
         threshold, note = self._phase_threshold(w, w.threshold_s)
         if stalled <= threshold:
-            if stalled > threshold / 2:
-                self._prefetch(w, horizon_ns, threshold / 2)
+            if stalled > threshold * PREFETCH_AT:
+                self._prefetch(w, horizon_ns, threshold * PREFETCH_AT)
             return None
         why = f"no rank finished a step for {stalled:.1f} s (hang threshold {threshold:.1f} s: {note})" \
             if note else None
@@ -605,7 +611,7 @@ class Watchdog:
         return detectors.phase_hang_threshold(threshold_s, phases, self._cfg.phase_timeouts_s)
 
     def _prefetch(self, w: _Watched, horizon_ns: int, settle_s: float) -> None:
-        """A large job stalled for half its hang threshold: ask for the raw entries of the
+        """A large job stalled for ``PREFETCH_AT`` of its hang threshold: ask for the raw entries of the
         suspect the fronts show already, so that they are stored when the threshold passes
         (a hang's entries no longer change; a stall that resolves cost one small pull)."""
         if self._send is None or w.fronts is None or not w.fronts.rows_applied:

@@ -136,6 +136,25 @@ def test_pulled_entries_confirm_before_the_store_has_them(store: Store, job: str
     assert not store.recent_collectives(job, 1, 8)  # nothing of it was ever stored
 
 
+def test_pulled_entries_are_not_judged_as_live_collectives(store: Store, job: str) -> None:
+    # a pull's answers are rings of old entries from hundreds of agents, arriving as a hang
+    # is being confirmed: they feed its diagnosis and nothing else (a large job's
+    # stragglers, cadence and lag are judged on its steps and fronts)
+    incidents, agents = Incidents(), Agents()
+    with Watchdog(store, job, CFG, incidents, send=agents) as wd:
+        wd.watch(1, NODES)
+        feed = Feed(store, wd)
+        feed.send([group_ev(job, r) for r in WORLD])
+        _healthy(feed, job, range(1, 4))
+        # entries in which rank 3 entered every op 0.6 s after the others (a straggler by
+        # CFG, were they live: see test_watchdog's straggler test), seconds old
+        t = time.time_ns() - 30 * 10**9
+        feed.send([raw(job, r, s, t + s * 10**9 + (600_000_000 if r == 3 else 0), True)
+                   for s in range(1, 15) for r in WORLD])
+        _healthy(feed, job, range(4, 6))
+        assert incidents.wait(1, timeout_s=1.0) == []
+
+
 def test_unanswered_pull_decides_on_the_fronts(store: Store, job: str) -> None:
     incidents, agents = Incidents(), Agents()
     with Watchdog(store, job, CFG, incidents, send=agents) as wd:
