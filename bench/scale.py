@@ -389,7 +389,7 @@ def _delta(before: dict[int, float], after: dict[int, float]) -> float:
 
 def limits(r: dict) -> list[str]:
     """Where R ``r`` misses the issue's targets (detect < 5 s p90, ingest lag <= 2 s, nobody
-    refused or starved, RSS <= 4 GiB, every hang named)."""
+    refused or starved, RSS <= 4 GiB, every hang named, replay <= 10 s at 16,384)."""
     out = []
     if r.get("broke"):
         out.append(r["broke"])
@@ -409,6 +409,10 @@ def limits(r: dict) -> list[str]:
         out.append(f"controller RSS {r['controller_rss_mib']} MiB (target <= 4 GiB)")
     if r.get("desync_ok") is False:
         out.append("desync not named right")
+    if r.get("ranks") == 16384 and r.get("replay_s") is not None and r["replay_s"] > 10:
+        out.append(f"replay {r['replay_s']} s (target <= 10 s at 16,384 ranks)")
+    if r.get("replay_rc"):
+        out.append(f"replay exited {r['replay_rc']}")
     storm = r.get("storm")
     if storm and storm["exactly_once"] is False:
         out.append("reconnect storm: events lost or doubled")
