@@ -108,6 +108,10 @@ NodeCheckSink = Callable[[str, events_pb2.SdcCheckEvent], None]
 INLINE_PREPARE_EVENTS = 64
 PREPARE_THREADS = 2
 STORE_THREADS = 2
+#: Hellos served by one round of store work at most (the node rows in one transaction,
+#: the committed seqs in one query): after a controller restart thousands of agents say
+#: Hello at once, and one round each would queue them for tens of seconds.
+HELLO_ROUND_MAX = 512
 #: Longest a stream parked on a full writer queue waits before trying again, seconds
 #: (it is woken sooner by any ack; this covers a store outage, when nothing is acked).
 FULL_QUEUE_RETRY_S = 0.25
@@ -276,6 +280,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self._prepare_pool = futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="fleet-ctl-prepare")
         self._store_pool = futures.ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="fleet-ctl-store")
         self._acked: asyncio.Event | None = None   # pulsed on the loop when the writer acks
+        # Hellos waiting for the next round of store work, and whether a round is going (loop only)
+        self._hellos: list[tuple[agent_pb2.Hello, AgentSession, asyncio.Future[int]]] = []
+        self._hello_rounds = False
 
     def close(self) -> None:
         """Commit what is queued, stop the writer, the pools and the metrics endpoint."""
@@ -333,7 +340,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             on_wake=self._pulse_acked,
         )
         try:
-            committed = await self._in(self._store_pool, self._hello_rows, hello, session)
+            committed = await self._committed(hello, session)
         except UnavailableError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the controller's store is unavailable: {exc}")
         self._registry.attach(session)
@@ -361,10 +368,39 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             self.metrics.agents.dec()
             log.info("agent %s disconnected", session.agent_id)
 
-    def _hello_rows(self, hello: agent_pb2.Hello, session: AgentSession) -> int:
-        """In the store pool: the node's row, and the highest seq committed for this epoch."""
-        self._store.upsert_node(hello.node_name, hello.ray_node_id, hello.hostname, None)
-        return self._store.committed_seq(session.agent_id, session.epoch)
+    async def _committed(self, hello: agent_pb2.Hello, session: AgentSession) -> int:
+        """The highest seq committed for the session's (agent, epoch), its node's row stored
+        first. Hellos that arrive while a round of this store work runs wait for the next
+        round, which serves all of them (``HELLO_ROUND_MAX`` at a time)."""
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._hellos.append((hello, session, done))
+        if not self._hello_rounds:
+            self._hello_rounds = True
+            asyncio.get_running_loop().create_task(self._serve_hellos(), name="fleet-agent-hellos")
+        return await done
+
+    async def _serve_hellos(self) -> None:
+        try:
+            while self._hellos:
+                round_, self._hellos = self._hellos[:HELLO_ROUND_MAX], self._hellos[HELLO_ROUND_MAX:]
+                try:
+                    seqs = await self._in(self._store_pool, self._hello_rows, [(h, s) for h, s, _ in round_])
+                except Exception as exc:  # noqa: BLE001 - each Hello's stream is told
+                    for _, _, done in round_:
+                        if not done.done():
+                            done.set_exception(exc)
+                    continue
+                for _, session, done in round_:
+                    if not done.done():
+                        done.set_result(seqs[(session.agent_id, session.epoch)])
+        finally:
+            self._hello_rounds = False
+
+    def _hello_rows(self, hellos: list[tuple[agent_pb2.Hello, AgentSession]]) -> dict[tuple[str, int], int]:
+        """In the store pool: the Hellos' node rows, and the highest seq committed for each
+        (agent, epoch)."""
+        self._store.upsert_nodes([(h.node_name, h.ray_node_id, h.hostname) for h, _ in hellos])
+        return self._store.committed_seqs([(s.agent_id, s.epoch) for _, s in hellos])
 
     async def _receive(self, messages: AsyncIterator[Any], session: AgentSession) -> None:
         try:

@@ -18,7 +18,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -49,22 +49,35 @@ class NodeMethods(StoreBase):
         A new node starts healthy, with a first ``node_transitions`` row (actor controller).
         ``resources_json`` None keeps the stored resources (an agent's Hello does not know
         them; the controller stored Ray's), "{}" for a new node."""
+        self.upsert_nodes([(name, ray_node_id, hostname)], resources_json)
+
+    def upsert_nodes(self, nodes: Sequence[tuple[str, str, str]], resources_json: str | None = None) -> None:
+        """``upsert_node`` for many (name, ray_node_id, hostname) in one transaction (a
+        reconnect storm's Hellos); a name given twice keeps its last identity."""
+        if not nodes:
+            return
         now = time.time()
-        identity = {"ray_node_id": ray_node_id, "hostname": hostname, "last_seen": now}
+        identity = {name: {"ray_node_id": ray, "hostname": host, "last_seen": now} for name, ray, host in nodes}
         if resources_json is not None:
-            identity["resources_json"] = resources_json
+            for row in identity.values():
+                row["resources_json"] = resources_json
         # Insert-or-nothing first, so exactly one registrant (the one that gets its row back)
         # writes the first history row; rowcount is not reliable here on every driver.
-        insert = upsert(self.dialect, Node.__table__, ["name"], None).values(
-            name=name, state=NodeState.HEALTHY.value, quarantine_reason="", quarantined_since=None,
-            **{"resources_json": "{}", **identity}).returning(Node.__table__.c.name)
+        insert = upsert(self.dialect, Node.__table__, ["name"], None).values([
+            {"name": name, "state": NodeState.HEALTHY.value, "quarantine_reason": "", "quarantined_since": None,
+             "resources_json": "{}", **row} for name, row in identity.items()]).returning(Node.__table__.c.name)
         with self._tx(write=True) as s:
-            if s.execute(insert).first() is not None:
+            new = set(s.scalars(insert).all())
+            for name in new:
                 s.add(NodeTransition(node=name, from_state=None, to_state=NodeState.HEALTHY.value,
-                                     reason="registered", actor=NodeActor.CONTROLLER.value,
-                                     job_id=None, at=now))
-            else:
-                s.execute(update(Node).where(Node.name == name).values(**identity))
+                                     reason="registered", actor=NodeActor.CONTROLLER.value, job_id=None, at=now))
+            # executemany: bound names must differ from the columns'
+            known = [{"b_name": name, **{f"b_{c}": v for c, v in row.items()}}
+                     for name, row in identity.items() if name not in new]
+            if known:
+                table = Node.__table__
+                s.execute(update(table).where(table.c.name == bindparam("b_name")).values(
+                    {c: bindparam(f"b_{c}") for c in next(iter(identity.values()))}), known)
 
     def touch_node(self, name: str) -> None:
         """Set the node's last_seen to now; ``NotFoundError`` if unknown."""

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Float, bindparam, case, cast, func, select
+from sqlalchemy import Float, bindparam, case, cast, func, select, tuple_
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DataError, IntegrityError
 
@@ -146,9 +146,20 @@ class TelemetryMethods(StoreBase):
 
     def committed_seq(self, agent_id: str, epoch: int) -> int:
         """Highest committed batch seq of (agent, epoch); 0 if none."""
+        return self.committed_seqs([(agent_id, epoch)])[(agent_id, epoch)]
+
+    def committed_seqs(self, streams: Sequence[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """``committed_seq`` of many (agent, epoch) in one query (a reconnect storm's Hellos)."""
+        out = dict.fromkeys(streams, 0)
+        if not out:
+            return out
         with self._tx(write=False) as s:
-            return s.scalar(select(func.coalesce(func.max(IngestBatch.seq), 0)).where(
-                IngestBatch.agent_id == agent_id, IngestBatch.epoch == epoch))
+            rows = s.execute(select(IngestBatch.agent_id, IngestBatch.epoch, func.max(IngestBatch.seq))
+                             .where(tuple_(IngestBatch.agent_id, IngestBatch.epoch).in_(list(out)))
+                             .group_by(IngestBatch.agent_id, IngestBatch.epoch)).all()
+        for agent_id, epoch, seq in rows:
+            out[(agent_id, epoch)] = seq
+        return out
 
     # -- telemetry queries ----------------------------------------------------------------
 

@@ -227,6 +227,54 @@ def test_a_predecessors_batch_is_acked_under_its_epoch_and_a_later_epochs_is_ref
     assert sorted(s.step for s in controller.store.steps(job_id)) == list(range(1, 7))   # epoch 100's once
 
 
+def test_many_agents_saying_hello_at_once_are_each_welcomed_where_they_left_off(controller) -> None:  # noqa: ANN001
+    # a controller restart: every agent says Hello at once; they are served by rounds of
+    # store work, and each Welcome still carries its own (agent, epoch)'s committed seq
+    job_id, attempt = _job(controller.store)
+    metadata = ((TOKEN_METADATA_KEY, TOKEN),)
+
+    def hello(i: int) -> agent_pb2.AgentMessage:
+        return agent_pb2.AgentMessage(hello=agent_pb2.Hello(agent_id=f"agent-{i}", node_name=f"node-{i}",
+                                                            token=TOKEN, epoch=7))
+
+    with grpc.insecure_channel(controller.address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        for i in range(5):   # agents 0..4 had i + 1 batches committed before the restart
+            done = threading.Event()
+
+            def outbound(i: int = i, done: threading.Event = done):  # noqa: ANN202
+                yield hello(i)
+                for seq in range(1, i + 2):
+                    yield agent_pb2.AgentMessage(batch=agent_pb2.EventBatch(
+                        agent_id=f"agent-{i}", epoch=7, seq=seq, events=_steps(job_id, attempt, i, seq, 1)))
+                done.wait(10)
+
+            call = stub.Connect(outbound(), metadata=metadata, timeout=10)
+            for reply in call:
+                if reply.WhichOneof("msg") == "ack" and reply.ack.seq == i + 1:
+                    done.set()
+                    call.cancel()
+                    break
+        welcomed: dict[int, int] = {}
+        errors: list[BaseException] = []
+
+        def say_hello(i: int) -> None:
+            try:
+                reply = next(iter(stub.Connect(iter([hello(i)]), metadata=metadata, timeout=20)))
+                welcomed[i] = reply.welcome.committed_seq
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=say_hello, args=(i,)) for i in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert not errors
+    assert welcomed == {i: (i + 1 if i < 5 else 0) for i in range(40)}
+    assert {n.name for n in controller.store.list_nodes()} == {f"node-{i}" for i in range(40)}
+
+
 def test_random_bytes_on_the_port_do_not_hurt_the_server(controller) -> None:  # noqa: ANN001
     host, port = controller.address.rsplit(":", 1)
     for payload in (b"\x00" * 64, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", bytes(range(256)) * 8):

@@ -328,6 +328,27 @@ def test_nodes_ranks_incidents_actions(store: Store, job: str) -> None:
     assert (h.time_ns, h.workers_alive) == (10, 4)
 
 
+def test_many_nodes_upserted_at_once_as_each_one_alone(store: Store) -> None:
+    # a reconnect storm's Hellos: one transaction for many nodes, the same rows as one by one
+    store.upsert_node("n1", "ray-1", "host1", '{"CPU": 8}')
+    store.quarantine_node("n1", "GEMM known-answer mismatch")
+    store.upsert_nodes([("n1", "ray-1b", "host1b"), ("n2", "ray-2", "host2"), ("n3", "ray-3", "host3"),
+                        ("n2", "ray-2b", "host2b")])   # a name twice: its last identity
+    nodes = {n.name: n for n in store.list_nodes()}
+    assert {name: (n.ray_node_id, n.hostname, n.state) for name, n in nodes.items()} == {
+        "n1": ("ray-1b", "host1b", "quarantined"), "n2": ("ray-2b", "host2b", "healthy"),
+        "n3": ("ray-3", "host3", "healthy")}
+    assert nodes["n1"].resources_json == '{"CPU": 8}' and nodes["n2"].resources_json == "{}"
+    store.upsert_nodes([("n2", "ray-2c", "host2c")])
+    assert [t.reason for t in store.node_history("n2")] == ["registered"]   # registered once
+    assert store.upsert_nodes([]) is None
+
+
+def test_committed_seqs_of_many_streams(store: Store, job: str) -> None:
+    assert store.committed_seqs([("a", 1), ("b", 1)]) == {("a", 1): 0, ("b", 1): 0}
+    assert store.committed_seqs([]) == {}
+
+
 def test_node_health(store: Store) -> None:
     store.upsert_node("n1", "ray-1", "host1", "{}")
     (n1,) = store.list_nodes()
