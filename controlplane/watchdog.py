@@ -131,6 +131,12 @@ ARRIVALS_PER_STEP = 4096
 PULL_ENTRIES = 32
 #: How long the watchdog waits for pulled entries before it decides on the fronts alone.
 PULL_WAIT_S = 2.0
+#: Most nodes one pull asks. A hang's suspect groups span a few hundred (a 512-way data
+#: parallel group); a verdict whose members span more blames thousands of ranks at once,
+#: which is telemetry not yet in (agents reconnecting after a controller restart), not a
+#: hang to confirm, and pulling all their entries would bury the ingest under them.
+#: Such a verdict is left to the fronts alone.
+PULL_MAX_NODES = 1024
 #: The share of the hang threshold a large job has stalled for (and its suspects waited
 #: for) when their raw entries are asked for: a pull's answers take a second or two from
 #: hundreds of agents on a loaded controller, and must be in when the threshold passes.
@@ -755,6 +761,11 @@ class Watchdog:
         for rank in sorted({r for ranks in front.members.values() for r in ranks}):
             if 0 <= rank < len(w.nodes):
                 by_node.setdefault(w.nodes[rank], []).append(rank)
+        if len(by_node) > PULL_MAX_NODES:
+            log.warning("attempt %d: %s suspected of %d rank(s) in %d group(s) over %d nodes (%s); not pulling "
+                        "raw entries from more than %d nodes: the fronts decide", w.number, front.verdict,
+                        len(front.culprits), len(front.groups), len(by_node), front.summary, PULL_MAX_NODES)
+            return
         log.info("attempt %d: %s suspected (%s); pulling the raw entries of %d rank(s) on %d node(s)",
                  w.number, front.verdict, front.summary, sum(map(len, by_node.values())), len(by_node))
         for node, ranks in by_node.items():

@@ -19,6 +19,7 @@ from fleet.controlplane.detectors import Incident
 from fleet.controlplane.lifecycle import JobState
 from fleet.controlplane.store import Store
 from fleet.controlplane.store.ingest import prepare
+from fleet.controlplane import watchdog
 from fleet.controlplane.watchdog import PULL_WAIT_S, Watchdog
 from fleet.proto import columns, events_pb2
 from fleet.proto.fronts import FrontRow, pack, signature
@@ -169,6 +170,24 @@ def test_unanswered_pull_decides_on_the_fronts(store: Store, job: str) -> None:
     assert time.monotonic() - asked >= PULL_WAIT_S - 0.5
     assert [(i.kind, i.rank, i.node) for i in got] == [(IncidentKind.HANG, 2, "node-1")]
     assert "collective fronts" in got[0].evidence and "never entered all_reduce seq 5" in got[0].evidence
+
+
+def test_a_suspicion_over_more_nodes_than_a_pull_may_ask_is_left_to_the_fronts(
+        store: Store, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # agents reconnecting after a controller restart once had the fronts blame 8,192 ranks
+    # over every node of a 16,384-rank job; pulling all their rings buried the ingest
+    monkeypatch.setattr(watchdog, "PULL_MAX_NODES", 1)   # the suspect group spans 2 nodes here
+    incidents, agents = Incidents(), Agents()
+    with Watchdog(store, job, CFG, incidents, send=agents) as wd:
+        wd.watch(1, NODES)
+        feed = Feed(store, wd)
+        feed.send([group_ev(job, r) for r in WORLD])
+        _healthy(feed, job, range(1, 5))
+        feed.send([front_ev(job, r, 5, 4, time.time_ns()) for r in (0, 1, 3)])  # rank 2 stops
+        got = incidents.wait(1, timeout_s=15)
+    assert agents.pulls(1, timeout_s=0.1) == []
+    assert [(i.kind, i.rank, i.node) for i in got] == [(IncidentKind.HANG, 2, "node-1")]
+    assert "collective fronts" in got[0].evidence
 
 
 def test_a_rank_entering_another_op_is_a_desync(store: Store, job: str) -> None:
