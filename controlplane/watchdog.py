@@ -141,6 +141,9 @@ PULL_MAX_NODES = 1024
 #: for) when their raw entries are asked for: a pull's answers take a second or two from
 #: hundreds of agents on a loaded controller, and must be in when the threshold passes.
 PREFETCH_AT = 1 / 3
+#: ... but never before half the threshold where that is under this (seconds): waits that
+#: short come with first steps and checkpoints of a fast job, and each would cost a pull.
+PREFETCH_MIN_S = 1.0
 
 #: Seconds between recomputations of the step-based hang threshold (a median over up to
 #: STEP_TIMES_PER_RANK steps of every rank: 80,000 values at 4,096 ranks).
@@ -602,8 +605,9 @@ class Watchdog:
             w.threshold_due = now + THRESHOLD_EVERY_S
         threshold, note = self._phase_threshold(w, w.threshold_s)
         if stalled <= threshold:
-            if stalled > threshold * PREFETCH_AT:
-                self._prefetch(w, horizon_ns, threshold * PREFETCH_AT)
+            early = max(threshold * PREFETCH_AT, min(threshold / 2, PREFETCH_MIN_S))
+            if stalled > early:
+                self._prefetch(w, horizon_ns, early)
             return None
         why = f"no rank finished a step for {stalled:.1f} s (hang threshold {threshold:.1f} s: {note})" \
             if note else None
@@ -617,7 +621,8 @@ class Watchdog:
         return detectors.phase_hang_threshold(threshold_s, phases, self._cfg.phase_timeouts_s)
 
     def _prefetch(self, w: _Watched, horizon_ns: int, settle_s: float) -> None:
-        """A large job stalled for ``PREFETCH_AT`` of its hang threshold: ask for the raw entries of the
+        """A large job stalled for a third of its hang threshold (half, up to
+        ``PREFETCH_MIN_S``; see ``PREFETCH_AT``): ask for the raw entries of the
         suspect the fronts show already, so that they are stored when the threshold passes
         (a hang's entries no longer change; a stall that resolves cost one small pull)."""
         if self._send is None or w.fronts is None or not w.fronts.rows_applied:
