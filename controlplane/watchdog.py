@@ -730,8 +730,8 @@ class Watchdog:
     def _diagnose_fronts(self, w: _Watched, settle_s: float, horizon_ns: int) -> Diagnosis | None:
         """A large job: the fronts name the suspect and its groups; their members' raw
         entries are pulled from the agents (once per suspect) and diagnosed by the flight
-        recorder. Until they are in the store (at most ``PULL_WAIT_S``): no verdict; then,
-        if they never came, the fronts' own."""
+        recorder. Until they are in and it confirms (at most ``PULL_WAIT_S`` from the pull):
+        no verdict; then the fronts' own."""
         with self._lock:
             front = w.fronts.verdict(horizon_ns, settle_s) if w.fronts is not None else None
         if front is None:
@@ -754,7 +754,10 @@ class Watchdog:
             d = diagnose(traces, DiagnosisConfig(settle_s=settle_s), now_ns=horizon_ns)
             if d.verdict in ("hang", "mismatch") and d.culprit_ranks:
                 return d
-        if pulled or now - w.pull_sent >= PULL_WAIT_S:
+        # entries pulled early hold waits still short of the threshold: as the horizon moves
+        # on they grow past it, and the flight recorder's verdict is waited for (from the
+        # pull, PULL_WAIT_S at most) before the fronts' own is taken
+        if now - w.pull_sent >= PULL_WAIT_S:
             return _front_diagnosis(front, w.number)
         return None
 
