@@ -53,7 +53,8 @@ the suspects and their groups, the agents of those groups' members are asked for
 newest ``PULL_ENTRIES`` raw entries (a ``TracePull`` through ``send``; already at
 ``PREFETCH_AT`` of the hang threshold, so that they are stored when it passes), and once every
 member's entries are stored the flight recorder diagnoses those groups. Entries that do
-not come within ``PULL_WAIT_S`` leave the decision to the fronts' own verdict. The
+not come, or whose verdict names no culprit, within ``PULL_WAIT_S`` of the pull leave the
+decision to the fronts' own verdict. The
 straggler check and the collective-cadence hang threshold of jobs without steps need raw
 collectives: a large job is judged by its steps (or the start-up timeout) instead.
 

@@ -89,6 +89,13 @@ def _healthy(feed: Feed, job: str, steps: range) -> dict[int, int]:
     return entered
 
 
+def _rank_2_stops(feed: Feed, job: str) -> None:
+    """Groups declared, four healthy steps, then every rank but 2 enters seq 5."""
+    feed.send([group_ev(job, r) for r in WORLD])
+    _healthy(feed, job, range(1, 5))
+    feed.send([front_ev(job, r, 5, 4, time.time_ns()) for r in (0, 1, 3)])
+
+
 def test_fronts_name_a_suspect_and_the_pulled_entries_confirm_it(store: Store, job: str) -> None:
     incidents, agents = Incidents(), Agents()
     with Watchdog(store, job, CFG, incidents, send=agents) as wd:
@@ -161,9 +168,7 @@ def test_unanswered_pull_decides_on_the_fronts(store: Store, job: str) -> None:
     with Watchdog(store, job, CFG, incidents, send=agents) as wd:
         wd.watch(1, NODES)
         feed = Feed(store, wd)
-        feed.send([group_ev(job, r) for r in WORLD])
-        _healthy(feed, job, range(1, 5))
-        feed.send([front_ev(job, r, 5, 4, time.time_ns()) for r in (0, 1, 3)])  # rank 2 stops
+        _rank_2_stops(feed, job)
         assert agents.pulls(2, timeout_s=15)
         asked = time.monotonic()
         got = incidents.wait(1, timeout_s=15)
@@ -181,9 +186,7 @@ def test_a_suspicion_over_more_nodes_than_a_pull_may_ask_is_left_to_the_fronts(
     with Watchdog(store, job, CFG, incidents, send=agents) as wd:
         wd.watch(1, NODES)
         feed = Feed(store, wd)
-        feed.send([group_ev(job, r) for r in WORLD])
-        _healthy(feed, job, range(1, 5))
-        feed.send([front_ev(job, r, 5, 4, time.time_ns()) for r in (0, 1, 3)])  # rank 2 stops
+        _rank_2_stops(feed, job)
         got = incidents.wait(1, timeout_s=15)
     assert agents.pulls(1, timeout_s=0.1) == []
     assert [(i.kind, i.rank, i.node) for i in got] == [(IncidentKind.HANG, 2, "node-1")]
