@@ -13,7 +13,9 @@ closing all-reduce), each rank sends it to its buddy and receives its ward's, ov
 gloo group of its own (the snapshots are in CPU memory whatever the training backend),
 and waits for both before the next step starts. So once a rank has begun step S+1, its
 ward's copy of step S is committed in its memory: a rank killed in step S+1 is restored
-at S from its buddy and only the step in flight is recomputed.
+at S from its buddy and only the step in flight is recomputed. A rank killed during step
+S's exchange is restored at S-1, though its buddy may have received its copy and reported
+step S: that one step is recomputed (a recovery's ``steps_lost`` counts it).
 
 Restore (``plan``): every rank's two newest own snapshots and the two newest copies its
 buddy holds of it are gathered in one all-reduce; the newest step every rank can get

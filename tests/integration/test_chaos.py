@@ -196,9 +196,12 @@ def test_node_down_waits_for_the_node_and_restarts(tmp_path: Path, reference: di
     # node-1's two ranks were lost with it; their buddies on node-0 held their shards
     assert restored == {0: "memory", 1: "memory", 2: "peer copy from rank 0", 3: "peer copy from rank 1"}, restored
     # the controller downs the node once it sees step 15 begin (node-0's ranks may be a
-    # step or two further by then): the last finished step is what was restored
+    # step or two further by then): the last finished step is what was restored, unless
+    # the node went down during a step's peer exchange (workers/buddy.py): then node-0's
+    # ranks may have reported that step, its copies of node-1's shards never arrived,
+    # and that one step is recomputed
     (ending,) = [i for i in report["incidents"] if i["ended_attempt"]]
-    assert ending["restored_step"] >= 14 and ending["steps_lost"] == 0, ending
+    assert ending["restored_step"] >= 14 and ending["steps_lost"] <= 1, ending
 
 
 def test_a_partition_and_a_killed_agent_are_detected_and_training_goes_on(
