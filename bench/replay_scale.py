@@ -97,8 +97,7 @@ def build(store: Store, ranks: int, *, steps: int = 30, culprit: int | None = No
     attempt = store.create_attempt(job)
     store.set_attempt_state(job, attempt, AttemptState.RUNNING)
     store.set_job_state(job, JobState.RUNNING, "bench")
-    for r in range(ranks):
-        store.record_rank(job, attempt, r, layout.node_of(r), 10_000 + r)
+    store.record_ranks(job, attempt, [(r, layout.node_of(r), 10_000 + r) for r in range(ranks)])
 
     # every node's agent: its ranks' groups, then their steps
     batches = []

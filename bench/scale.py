@@ -197,6 +197,8 @@ class Run:
                     not since or all(s["newest_welcome"] >= since for s in st)):
                 return time.monotonic() - start
             time.sleep(POLL_S)
+        _say(f"  not every stream welcomed within {timeout_s:.0f} s: "
+             f"{[(s['connected'], s['streams'], s.get('stages')) for s in self.stats()]}")
         return None
 
     def new_attempt(self) -> None:
@@ -411,6 +413,8 @@ def limits(r: dict) -> list[str]:
         out.append("desync not named right")
     if r.get("ranks") == 16384 and r.get("replay_s") is not None and r["replay_s"] > 10:
         out.append(f"replay {r['replay_s']} s (target <= 10 s at 16,384 ranks)")
+    if r.get("stream_errors"):
+        out.append(f"{r['stream_errors']} unexpected error(s) in the synthetic agents' streams")
     if r.get("replay_rc"):
         out.append(f"replay exited {r['replay_rc']}")
     storm = r.get("storm")
@@ -513,6 +517,10 @@ def run_one(args: argparse.Namespace, ranks: int, url: str, folder: Path, rng: r
             out["storm"] = run.storm()
         st = run.stats()
         out["rejected"] = sum(s["rejected"] for s in st)
+        out["stream_errors"] = sum(s["stream_errors"] for s in st)
+        if out["stream_errors"]:
+            _say(f"  {out['stream_errors']} unexpected stream error(s) in the synthetic agents, e.g. "
+                 f"{next(s['last_stream_error'] for s in st if s['last_stream_error'])}")
         out["pulls_answered"] = sum(s["pulls"] for s in st)
         out["reconnects"] = sum(s["reconnects"] for s in st)
     finally:
@@ -624,6 +632,7 @@ def main() -> int:
         "trials": [r.get("trials") for r in results],
         "refused": [r.get("refused") for r in results],
         "rejected": [r.get("rejected") for r in results],
+        "stream_errors": [r.get("stream_errors") for r in results],
         "max_ack_gap_s": [r.get("max_ack_gap_s") for r in results],
         "desync_ok": last.get("desync_ok"),
         "replay_s_16384": last.get("replay_s") if last["ranks"] == 16384 else None,

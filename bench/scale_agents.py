@@ -39,7 +39,7 @@ import os
 import random
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 
 import grpc
 import numpy as np
@@ -192,6 +192,9 @@ class Node:
         self.last_write = 0.0                  # monotonic time of the last batch written
         self.last_heartbeat = 0.0
         self.connected = False
+        self.stage = "new"                     # "hello" (awaiting the Welcome), "up", "backoff"
+        self.errors = 0                        # unexpected exceptions of the stream (a bench bug)
+        self.last_error = ""
         self.welcomes = 0
         self.welcomed_at = 0.0                 # time.time() of the newest Welcome
         self.acks = 0
@@ -348,20 +351,25 @@ class Node:
             call = a.connect_for(self.node)(metadata=((TOKEN_METADATA_KEY, a.token),))
             reader = None
             try:
+                self.stage = "hello"
                 await call.write(self.hello)
                 first = await call.read()
                 if first is grpc.aio.EOF or first.WhichOneof("msg") != "welcome":
                     raise ConnectionError("no Welcome")
                 self._welcome(first.welcome.committed_seq)
+                self.stage = "up"
                 failures = 0
                 self.broken = False
                 reader = asyncio.ensure_future(self._read(call))
                 await self._write(call)
-            except (grpc.aio.AioRpcError, ConnectionError, grpc.aio.UsageError):
-                pass
+            except (grpc.aio.AioRpcError, ConnectionError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                pass  # the call ended (a write after its end raises InvalidStateError): reconnect
             except asyncio.CancelledError:
                 call.cancel()
                 raise
+            except Exception as exc:  # noqa: BLE001 - a stream never dies: counted, shown in stats
+                self.errors += 1
+                self.last_error = repr(exc)
             finally:
                 self.connected = False
                 if reader is not None:
@@ -371,6 +379,7 @@ class Node:
                 break
             failures += 1
             self.reconnects += 1
+            self.stage = "backoff"
             await asyncio.sleep(reconnect_delay(failures))
 
     def _welcome(self, committed: int) -> None:
@@ -570,6 +579,9 @@ class Agents:
         cpu = os.times()
         return {
             "streams": len(nodes), "connected": sum(n.connected for n in nodes),
+            "stages": dict(Counter(n.stage for n in nodes)),
+            "stream_errors": sum(n.errors for n in nodes),
+            "last_stream_error": next((n.last_error for n in nodes if n.last_error), ""),
             "welcomed": sum(n.welcomes > 0 for n in nodes), "min_welcomes": min(n.welcomes for n in nodes),
             "newest_welcome": max(n.welcomed_at for n in nodes), "acks": sum(n.acks for n in nodes),
             "min_acks": min(n.acks for n in nodes), "rejected": sum(n.rejected for n in nodes),

@@ -93,6 +93,8 @@ def serve(url: str, port: int, job: str, ranks: int, attempt: int | None, cfg: D
                     if cmd["cmd"] == "attempt":
                         n = store.create_attempt(job)
                         store.set_attempt_state(job, n, AttemptState.RUNNING, "bench")
+                        # placed as the controller places them: every rank on its node
+                        store.record_ranks(job, n, [(r, node, 0) for r, node in enumerate(nodes)])
                         current["attempt"] = n
                         watchdog.watch(n, nodes)
                         _reply({"attempt": n})

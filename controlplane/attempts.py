@@ -206,8 +206,8 @@ class AttemptRunner:
                 raise UnavailableError(f"worker group could not be placed: {exc}") from None
             job.move_to(attempt, [n.name for n in placement], no_copies=copies_problem(
                 cfg.job.data_parallel, len(placement), len(chosen), not self._builtin) or "")
-            for rank, (node, pid) in enumerate(zip(placement, pids, strict=True)):
-                self.store.record_rank(job.job_id, attempt, rank, node.name, pid)
+            self.store.record_ranks(job.job_id, attempt, [
+                (rank, node.name, pid) for rank, (node, pid) in enumerate(zip(placement, pids, strict=True))])
             specs = launch.worker_specs(
                 cfg, job_id=job.job_id, attempt=attempt, placement=placement, port=port,
                 checkpoint_dir=self._ckpt_dir, local_addresses=self._agents.local_addresses,

@@ -81,6 +81,14 @@ def _raw_ingest_max_ranks(config_json: str) -> int:
         return default
 
 
+def _large(store: Store, job_id: str, attempt: int, raw_max: int) -> bool:
+    """Whether the attempt is a large job's: it has fronts, or placed (else, without
+    placement rows, declared groups for) more ranks than ``raw_max``."""
+    if store.count_fronts(job_id, attempt):
+        return True
+    return (store.count_ranks(job_id, attempt) or store.count_declared_ranks(job_id, attempt)) > raw_max
+
+
 def pulled_traces(store: Store, job_id: str, attempt: Any) -> tuple[Any, Any, list[str], dict[str, int]]:
     """(traces, ``Diagnosis``, the groups they cover, per pulled group left out: how many of
     its members have no pulled entries); traces and diagnosis None when no group was
@@ -205,9 +213,10 @@ def fronts_report(store: Store, job_id: str, attempt: int | None, paging: Paging
     out = []
     raw_max = _raw_ingest_max_ranks(job.config_json)
     for a in attempts:
-        # an attempt of a large job that ended before any of its fronts were written is
-        # still a large job's: read around its pulled entries, never its every rank's groups
-        if store.count_fronts(job_id, a.number) or store.count_ranks(job_id, a.number) > raw_max:
+        # an attempt of a large job whose fronts were never written (it ended, or the
+        # controller died, before a flush) is still a large job's: read around its pulled
+        # entries, never its every rank's groups
+        if _large(store, job_id, a.number, raw_max):
             out.append(fronts_attempt(store, job_id, a, incidents, paging, last_steps))
         else:
             out.extend(replay_report(store, job_id, a.number)["attempts"])

@@ -190,12 +190,19 @@ class NodeMethods(StoreBase):
 
     def record_rank(self, job_id: str, attempt: int, rank: int, node: str, pid: int) -> None:
         """Record (or correct) where a rank of an attempt runs."""
+        self.record_ranks(job_id, attempt, [(rank, node, pid)])
+
+    def record_ranks(self, job_id: str, attempt: int, placed: Sequence[tuple[int, str, int]]) -> None:
+        """``record_rank`` for many (rank, node, pid) of one attempt, in one transaction
+        (a 16,384-rank attempt is one write, not 16,384)."""
+        if not placed:
+            return
         stmt = upsert(self.dialect, Rank.__table__, ["job_id", "attempt", "rank"],
-                      {"node": node, "pid": pid})
+                      {"node": lambda new: new.node, "pid": lambda new: new.pid})
         try:
             with self._tx(write=True) as s:
-                s.execute(stmt, [{"job_id": job_id, "attempt": attempt, "rank": rank,
-                                  "node": node, "pid": pid}])
+                s.execute(stmt, [{"job_id": job_id, "attempt": attempt, "rank": rank, "node": node, "pid": pid}
+                                 for rank, node, pid in placed])
         except IntegrityError as e:
             raise NotFoundError(f"job {job_id!r} not found") from e
 

@@ -619,6 +619,13 @@ class TelemetryMethods(StoreBase):
                 select(r.rank, r.node).where(r.job_id == job_id, r.attempt == attempt,
                                              r.rank.in_(sorted(set(ranks)))))}
 
+    def count_declared_ranks(self, job_id: str, attempt: int) -> int:
+        """How many ranks of the attempt declared a process group (an index range)."""
+        g = ProcessGroupRow.__table__.c
+        with self._tx(write=False) as s:
+            return int(s.scalar(select(func.count(func.distinct(g.rank)))
+                                .where(g.job_id == job_id, g.attempt == attempt)) or 0)
+
     def count_ranks(self, job_id: str, attempt: int) -> int:
         """How many ranks the attempt placed."""
         from fleet.controlplane.store.schema import Rank

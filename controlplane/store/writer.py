@@ -19,8 +19,9 @@ Invariants:
   one batch at a time, recorded in ``ingest_drops`` and acked as rejected: one bad batch
   never blocks the others.
 - Fronts of committed batches (a large job's per-(rank, group) progress) are kept, the
-  newest per key, and written every ``fronts_flush_s`` and at ``close``: the store's
-  fronts trail the live ones by at most that much. On PostgreSQL a thread of their own
+  newest per key, and written every ``fronts_flush_s`` (less often while a flush is slow,
+  up to ``FRONTS_FLUSH_MAX_S``) and at ``close``: the store's fronts trail the live ones by
+  at most that much. On PostgreSQL a thread of their own
   (``fleet-ingest-fronts``) writes them beside the commits, so that a flush of tens of
   thousands of rows holds no batch up; on SQLite (one write lock) the writer does. They are state, not events: a front
   is superseded by the next, so writing only the newest loses nothing.
@@ -51,8 +52,11 @@ log = logging.getLogger(__name__)
 #: Seconds between writes of the newest fronts to the store.
 FRONTS_FLUSH_S = 2.0
 #: ... or less often: a flush that took t seconds is followed by the next no sooner than
-#: FRONTS_FLUSH_COST * t later.
+#: FRONTS_FLUSH_COST * t later ...
 FRONTS_FLUSH_COST = 25
+#: ... but never later than this: what is not written yet is lost if the controller dies
+#: (an attempt that ended since is never sent again), and its replay has no fronts.
+FRONTS_FLUSH_MAX_S = 10.0
 #: Host health samples stored per second at most, over all nodes.
 HEALTH_ROWS_PER_S = 200.0
 
@@ -247,7 +251,7 @@ class IngestWriter:
         # a large job's flush is tens of thousands of rows: it may take at most
         # 1/FRONTS_FLUSH_COST of the writer's time, the rest is for the batches
         now = time.monotonic()
-        return now + max(self._fronts_flush_s, FRONTS_FLUSH_COST * (now - started))
+        return now + max(self._fronts_flush_s, min(FRONTS_FLUSH_COST * (now - started), FRONTS_FLUSH_MAX_S))
 
     def _commit(self, group: list[Item]) -> None:
         live = [i for i in group if not i.stream.failed]

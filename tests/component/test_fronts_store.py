@@ -118,3 +118,26 @@ def test_packed_and_repeated_blocks_read_the_same() -> None:
     rows = [row(0, 5, 5), row(1, 6, 5), row(2, 9, 9)._replace(group="tp", op="all_gather")]
     assert unpack(pack(rows)) == unpack(pack(rows, packed=False)) == rows
     assert newest([pack(rows[:2]), pack(rows[2:], packed=False)]) == rows
+
+
+def test_a_slow_fronts_flush_puts_the_next_one_off_but_never_past_the_bound(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a flush that took t seconds is followed by the next FRONTS_FLUSH_COST * t later (7.5 s
+    # here), but never later than FRONTS_FLUSH_MAX_S: fronts not yet written are lost if
+    # the controller dies, and an attempt that ended is never sent again
+    from fleet.controlplane.store import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "FRONTS_FLUSH_MAX_S", 1.0)
+    record = store.record_fronts
+
+    def slow(rows: list[FrontRow]) -> None:  # a loaded store: every write takes 0.3 s
+        time.sleep(0.3)
+        record(rows)
+
+    monkeypatch.setattr(store, "record_fronts", slow)
+    stream = Stream()
+    with IngestWriter(store, ControllerMetrics(), fronts_flush_s=0.1) as writer:
+        assert writer.put(Item(stream, 1, 1, prepare([fronts_ev([row(r, 5, 5) for r in range(4)])]), 4))
+        assert _wait(lambda: store.count_fronts("job-1", 1) == 4, 10)
+        assert writer.put(Item(stream, 1, 2, prepare([fronts_ev([row(0, 9, 9)])]), 1))
+        assert _wait(lambda: [f.entered_seq for f in store.fronts("job-1", 1, ranks=[0])] == [9], 5)

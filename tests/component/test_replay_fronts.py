@@ -14,6 +14,8 @@ from bench.replay_scale import FrontsJob, build
 from fleet.controlplane.cli.main import main
 from fleet.controlplane.fronts_view import standing, standing_line
 from fleet.controlplane.store import Store
+from fleet.controlplane.store.ingest import prepare
+from fleet.proto import events_pb2
 from fleet.proto.fronts import FrontRow
 
 pytestmark = pytest.mark.timeout(60)
@@ -120,10 +122,17 @@ def test_an_attempt_that_wrote_no_fronts_is_still_replayed_as_a_large_jobs(
         c.execute(text("UPDATE jobs SET config_json = :c WHERE id = :j"),
                   {"c": json.dumps({"agent": {"raw_ingest_max_ranks": RANKS // 2}}), "j": job.job})
     second = store.create_attempt(job.job)
-    for rank in range(RANKS):
-        store.record_rank(job.job, second, rank, f"node-{rank // 8}", 2000 + rank)
+    store.record_ranks(job.job, second, [(rank, f"node-{rank // 8}", 2000 + rank) for rank in range(RANKS)])
+    # a third whose ranks were not placed by this controller (no placement rows), but
+    # declared their groups: the declared ranks count
+    third = store.create_attempt(job.job)
+    store.record_batches([("agent-x", 1, 1, prepare([events_pb2.Event(group=events_pb2.ProcessGroupInfo(
+        job_id=job.job, attempt=third, rank=rank, group="dp0", desc="dp", ranks=range(RANKS)))
+        for rank in range(RANKS)]))])
+    assert store.count_ranks(job.job, third) == 0 and store.count_declared_ranks(job.job, third) == RANKS
     code, out, _ = _run(capsys, "replay", job.job, "--store", store_url, "--json")
     assert code == 0
     attempts = json.loads(out)["attempts"]
-    assert [(a["attempt"], a.get("mode")) for a in attempts] == [(1, "fronts"), (second, "fronts")]
+    assert [(a["attempt"], a.get("mode")) for a in attempts] == [
+        (1, "fronts"), (second, "fronts"), (third, "fronts")]
     assert attempts[1]["fronts"]["count"] == 0 and attempts[1]["ranks_placed"] == RANKS

@@ -311,6 +311,14 @@ def test_nodes_ranks_incidents_actions(store: Store, job: str) -> None:
     store.record_rank(job, 1, 1, "n2", 201)  # corrected placement
     assert [(r.rank, r.node, r.pid) for r in store.ranks(job, 1)] == [
         (0, "n1", 100), (1, "n2", 201)]
+    # many at once (one transaction), correcting one already placed
+    store.record_ranks(job, 2, [(r, f"n{r % 2 + 1}", 300 + r) for r in range(4)])
+    store.record_ranks(job, 2, [(3, "n1", 999)])
+    assert [(r.rank, r.node, r.pid) for r in store.ranks(job, 2)] == [
+        (0, "n1", 300), (1, "n2", 301), (2, "n1", 302), (3, "n1", 999)]
+    assert store.count_ranks(job, 2) == 4
+    with pytest.raises(NotFoundError):
+        store.record_ranks("j-nope", 1, [(0, "n1", 1)])
 
     iid = store.record_incident(job, 1, "hang", "hang-detector", "rank 1 never entered seq 7",
                                 rank=1, node="n2")
