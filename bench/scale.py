@@ -198,7 +198,7 @@ class Run:
                 return time.monotonic() - start
             time.sleep(POLL_S)
         _say(f"  not every stream welcomed within {timeout_s:.0f} s: "
-             f"{[(s['connected'], s['streams'], s.get('stages')) for s in self.stats()]}")
+             f"{[(s['connected'], s['streams'], s.get('stages'), s.get('stuck_in_hello')) for s in self.stats()]}")
         return None
 
     def new_attempt(self) -> None:

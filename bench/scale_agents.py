@@ -193,6 +193,7 @@ class Node:
         self.last_heartbeat = 0.0
         self.connected = False
         self.stage = "new"                     # "hello" (awaiting the Welcome), "up", "backoff"
+        self.stage_since = 0.0                 # monotonic, when the stage began
         self.errors = 0                        # unexpected exceptions of the stream (a bench bug)
         self.last_error = ""
         self.welcomes = 0
@@ -351,7 +352,7 @@ class Node:
             call = a.connect_for(self.node)(metadata=((TOKEN_METADATA_KEY, a.token),))
             reader = None
             try:
-                self.stage = "hello"
+                self.stage, self.stage_since = "hello", time.monotonic()
                 await call.write(self.hello)
                 first = await call.read()
                 if first is grpc.aio.EOF or first.WhichOneof("msg") != "welcome":
@@ -573,6 +574,15 @@ class Agents:
             elif what == "quit":
                 return
 
+    def _stuck_in_hello(self, after_s: float = 10.0) -> dict:
+        """Streams awaiting their Welcome for over ``after_s``: how many, the longest wait,
+        and the states of their channels."""
+        now = time.monotonic()
+        stuck = [n for n in self.nodes if n.stage == "hello" and now - n.stage_since > after_s]
+        states = Counter(str(self.channels[n.node % len(self.channels)].get_state()) for n in stuck)
+        return {"streams": len(stuck), "longest_s": round(max((now - n.stage_since for n in stuck), default=0), 1),
+                "channels": dict(states)}
+
     def stats(self) -> dict:
         """Counters of this process's streams."""
         nodes = self.nodes
@@ -580,6 +590,7 @@ class Agents:
         return {
             "streams": len(nodes), "connected": sum(n.connected for n in nodes),
             "stages": dict(Counter(n.stage for n in nodes)),
+            "stuck_in_hello": self._stuck_in_hello(),
             "stream_errors": sum(n.errors for n in nodes),
             "last_stream_error": next((n.last_error for n in nodes if n.last_error), ""),
             "welcomed": sum(n.welcomes > 0 for n in nodes), "min_welcomes": min(n.welcomes for n in nodes),
