@@ -37,6 +37,11 @@ from fleet.proto.flight_record import P2P_SUFFIX
 VERDICT_EXIT_CODES = {"ok": 0, "mismatch": 10, "hang": 11, "straggler": 12, "empty": 13}
 #: Frames of one stack printed under a finding (``--json`` has them all).
 STACK_LINES = 8
+#: Incidents of one kind in one attempt listed in full (a reconnect storm may raise
+#: thousands of agent_loss ones); the rest in one line.
+INCIDENTS_SHOWN_PER_KIND = 5
+#: Rows of a large job's pulled diagnosis's wavefront shown (the culprits' first).
+LARGE_JOB_WAVE_ROWS = 32
 
 
 def replay(
@@ -352,7 +357,13 @@ MAX_FINDINGS_SHOWN = 40
 _VERDICT_STYLE = {"ok": "green", "hang": "red", "mismatch": "red", "straggler": "yellow", "empty": "dim"}
 
 
-def _print_diagnosis(d: dict[str, Any], title: str) -> None:
+def _few(names: list[str], n: int = 6) -> str:
+    return ", ".join(names[:n]) + (" ..." if len(names) > n else "")
+
+
+def _print_diagnosis(d: dict[str, Any], title: str, wave_rows: int = 200) -> None:
+    """The verdict, its findings and stacks, and up to ``wave_rows`` wavefront rows (the
+    culprits' first)."""
     style = _VERDICT_STYLE.get(d["verdict"], "bold")
     console.print(f"{title}: [{style}]{d['verdict'].upper()}[/] {d['summary']}", highlight=False)
     if d.get("missing_ranks"):
@@ -369,13 +380,14 @@ def _print_diagnosis(d: dict[str, Any], title: str) -> None:
     waves = d["wavefront"]
     if waves:
         culprits = set(d["culprit_ranks"])
+        waves = sorted(waves, key=lambda w: w["rank"] not in culprits)  # stable: the culprits' rows first
         print_table("wavefront: where each rank stands in each group",
                     ["rank", "group", "last entered", "op", "last completed", "state"],
                     [[f"[red]{w['rank']}[/]" if w["rank"] in culprits else w["rank"], w["group"],
                       w["last_entered_seq"], w["last_entered_op"], w["last_completed_seq"],
-                      "waiting" if w["waiting"] else "-"] for w in waves[:200]])
-        if len(waves) > 200:
-            console.print(f"... {len(waves) - 200} more rows (use --rank/--group or --json)")
+                      "waiting" if w["waiting"] else "-"] for w in waves[:wave_rows]])
+        if len(waves) > wave_rows:
+            console.print(f"... {len(waves) - wave_rows} more rows (use --rank/--group or --json)")
 
 
 def _print_stacks(findings: list[dict[str, Any]]) -> None:
@@ -446,7 +458,12 @@ def _print_job(report: dict[str, Any], last_steps: int) -> None:
             f"[yellow]warning:[/] {sum(d['events'] for d in lost)} events from nodes "
             f"{sorted({d['node'] for d in lost})} never reached the store while this job ran "
             f"({lost[-1]['reason']}); a rank may look behind because of it (fleet nodes)")
+    shown: dict[tuple[int, str], int] = {}
     for inc in report["incidents"]:
+        key = (inc["attempt"], inc["kind"])
+        shown[key] = shown.get(key, 0) + 1
+        if shown[key] > INCIDENTS_SHOWN_PER_KIND:
+            continue
         how = exit_text(inc["exit_code"])
         console.print(
             f"[red]incident[/] attempt {inc['attempt']}: {inc['kind']} rank {inc['rank']} on {inc['node']} "
@@ -454,6 +471,13 @@ def _print_job(report: dict[str, Any], last_steps: int) -> None:
         )
         if inc["traceback"]:
             print_traceback(inc["traceback"])
+    for (attempt, kind), count in shown.items():
+        if count > INCIDENTS_SHOWN_PER_KIND:
+            nodes = sorted({i["node"] for i in report["incidents"]
+                            if (i["attempt"], i["kind"]) == (attempt, kind) and i["node"]})
+            console.print(f"[red]incident[/] attempt {attempt}: ... {count - INCIDENTS_SHOWN_PER_KIND} more {kind} "
+                          f"incidents ({count} in all, on {len(nodes)} node(s): {_few(nodes)}; --json lists "
+                          "every one)", highlight=False)
     if report["checkpoints"]:
         console.print("checkpoints: " + ", ".join(
             f"step {c['step']}" + ("" if c["valid"] else " [red]INVALID[/]") for c in report["checkpoints"]))
@@ -511,7 +535,9 @@ def _print_fronts_attempt(a: dict[str, Any], sdc: dict[str, Any]) -> None:
     nodes = {int(r): n for r, n in a["nodes"].items()}
     console.print(f"{a['ranks_placed']} ranks, {fr['count']} collective fronts (a large job: raw collectives "
                   f"stay on the agents; the controller pulled {len(a['pulled'])} group(s))", highlight=False)
-    _print_diagnosis(a["diagnosis"], title=f"attempt {a['attempt']}")
+    # the wavefront around the incident below says where the groups stand: the pulled
+    # diagnosis's own rows (hundreds of members) are shown for the culprits and a few more
+    _print_diagnosis(a["diagnosis"], title=f"attempt {a['attempt']}", wave_rows=LARGE_JOB_WAVE_ROWS)
     if a["diagnosed_groups"]:
         console.print(f"diagnosed on the pulled entries of groups {', '.join(a['diagnosed_groups'][:12])}"
                       + (" ..." if len(a["diagnosed_groups"]) > 12 else ""), highlight=False)

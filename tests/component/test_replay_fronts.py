@@ -136,3 +136,20 @@ def test_an_attempt_that_wrote_no_fronts_is_still_replayed_as_a_large_jobs(
     assert [(a["attempt"], a.get("mode")) for a in attempts] == [
         (1, "fronts"), (second, "fronts"), (third, "fronts")]
     assert attempts[1]["fronts"]["count"] == 0 and attempts[1]["ranks_placed"] == RANKS
+
+
+def test_many_incidents_of_one_kind_are_listed_in_part_and_counted(
+        job: FrontsJob, store: Store, store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # a reconnect storm raises an agent_loss per node: the text shows a few, counts the
+    # rest with their nodes, and --json keeps every one
+    for n in range(8):
+        store.record_incident(job.job, 1, "agent_loss", "agent", f"the agent of node-{n} was not heard from",
+                              rank=n * 8, node=f"node-{n}")
+    code, text, _ = _run(capsys, "replay", job.job, "--store", store_url)
+    assert code == 0
+    assert text.count("agent_loss rank") == 5
+    assert "... 3 more agent_loss incidents (8 in all, on 8 node(s): node-0, node-1, node-2, node-3, node-4, " \
+           "node-5 ...; --json lists every one)" in " ".join(text.split())
+    assert "hang rank 37" in text  # another kind is listed as ever
+    code, out, _ = _run(capsys, "replay", job.job, "--store", store_url, "--json")
+    assert sum(i["kind"] == "agent_loss" for i in json.loads(out)["incidents"]) == 8
