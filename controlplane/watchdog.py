@@ -48,15 +48,11 @@ T + threshold + lag + one interval, plus ``VERDICT_STABLE_S`` (rounded up to who
 intervals) for the flight recorder's verdict to hold.
 
 A large job (its agents send collective fronts, not collectives): the fronts are folded
-into ``controlplane.wavefront.Wavefronts``; while a hang is suspected, its verdict names
-the suspects and their groups, the agents of those groups' members are asked for their
-newest ``PULL_ENTRIES`` raw entries (a ``TracePull`` through ``send``; already at
-``PREFETCH_AT`` of the hang threshold, so that they are stored when it passes), and once every
-member's entries are stored the flight recorder diagnoses those groups. Entries that do
-not come, or whose verdict names no culprit, within ``PULL_WAIT_S`` of the pull leave the
-decision to the fronts' own verdict. The
-straggler check and the collective-cadence hang threshold of jobs without steps need raw
-collectives: a large job is judged by its steps (or the start-up timeout) instead.
+into ``controlplane.wavefront.Wavefronts``; while a hang is suspected, the suspects' raw
+entries are pulled from their agents and diagnosed (``controlplane.fronts_pull``), else
+the fronts' own verdict decides. The straggler check and the collective-cadence hang
+threshold of jobs without steps need raw collectives: a large job is judged by its steps
+(or the start-up timeout) instead.
 
 Invariants:
   * ``on_incident`` runs on the watchdog thread, at most once per incident: one hang (or
@@ -90,8 +86,8 @@ from fleet.controlplane.sdc import SdcVerdict
 from fleet.controlplane.diagnosis import Diagnosis, DiagnosisConfig, diagnose, recent_traces
 from fleet.controlplane.store import CollectiveRow, Store
 from fleet.controlplane.store.ingest import PreparedBatch
-from fleet.controlplane.pulled_entries import PulledEntries
-from fleet.controlplane.wavefront import FrontVerdict, Wavefronts
+from fleet.controlplane.fronts_pull import FrontsPull, prefetch_settle_s
+from fleet.controlplane.wavefront import Wavefronts
 from fleet.proto import events_pb2, fronts
 from fleet.proto.flight_record import P2P_SUFFIX
 from fleet.proto.kinds import IncidentKind
@@ -126,25 +122,6 @@ WARMUP_GAPS_PER_RANK = 4
 #: (group, seq) entries kept per step for the straggler check: without the step API every
 #: collective is "step 0", a step that never ends; the oldest are dropped beyond this.
 ARRIVALS_PER_STEP = 4096
-
-#: Raw entries per (rank, group) a large job's agents are asked for (``TracePull``) when
-#: the fronts show a suspect: the window the diagnosis reads and ``fleet replay`` shows.
-PULL_ENTRIES = 32
-#: How long the watchdog waits for pulled entries before it decides on the fronts alone.
-PULL_WAIT_S = 2.0
-#: Most nodes one pull asks. A hang's suspect groups span a few hundred (a 512-way data
-#: parallel group); a verdict whose members span more blames thousands of ranks at once,
-#: which is telemetry not yet in (agents reconnecting after a controller restart), not a
-#: hang to confirm, and pulling all their entries would bury the ingest under them.
-#: Such a verdict is left to the fronts alone.
-PULL_MAX_NODES = 1024
-#: The share of the hang threshold a large job has stalled for (and its suspects waited
-#: for) when their raw entries are asked for: a pull's answers take a second or two from
-#: hundreds of agents on a loaded controller, and must be in when the threshold passes.
-PREFETCH_AT = 1 / 3
-#: ... but never before half the threshold where that is under this (seconds): waits that
-#: short come with first steps and checkpoints of a fast job, and each would cost a pull.
-PREFETCH_MIN_S = 1.0
 
 #: Seconds between recomputations of the step-based hang threshold (a median over up to
 #: STEP_TIMES_PER_RANK steps of every rank: 80,000 values at 4,096 ranks).
@@ -221,9 +198,7 @@ class _Watched:
     threshold_s: float = 0.0                  # the step-based hang threshold, as last computed
     threshold_due: float = 0.0                # monotonic: compute it again then
     fronts: Wavefronts | None = None          # a large job's collective fronts (None: raw collectives)
-    pull_key: tuple = ()                      # (verdict, culprits, groups) whose raw entries were asked for
-    pulled: PulledEntries | None = None       # a large job's pulled raw entries, as observed
-    pull_sent: float = 0.0                    # monotonic: when
+    pull: FrontsPull | None = None            # a large job's pulls and pulled entries
     slow_comm: collective_perf.SlowCommMonitor | None = None
 
 
@@ -435,9 +410,7 @@ class Watchdog:
         if batch.collectives and w.fronts is not None:
             # a large job's collectives are entries pulled on suspicion: kept for its
             # diagnosis as they arrive, not when the store has them (seconds later at scale)
-            if w.pulled is None:
-                w.pulled = PulledEntries(job, number)
-            w.pulled.add(batch.collective_rows())
+            self._pull_of(w).add(batch.collective_rows())
         # Once fronts came, collectives are only such entries: old by design, they say
         # nothing of cadence, lag, stragglers or bandwidth (the job is judged by its steps
         # and fronts), and a pull's hundreds of answers come as a hang is being confirmed.
@@ -606,9 +579,9 @@ class Watchdog:
             w.threshold_due = now + THRESHOLD_EVERY_S
         threshold, note = self._phase_threshold(w, w.threshold_s)
         if stalled <= threshold:
-            early = max(threshold * PREFETCH_AT, min(threshold / 2, PREFETCH_MIN_S))
-            if stalled > early:
-                self._prefetch(w, horizon_ns, early)
+            early = prefetch_settle_s(threshold)
+            if stalled > early and w.fronts is not None and w.fronts.rows_applied:
+                self._pull_of(w).prefetch(w.fronts, self._lock, horizon_ns, early)
             return None
         why = f"no rank finished a step for {stalled:.1f} s (hang threshold {threshold:.1f} s: {note})" \
             if note else None
@@ -621,19 +594,10 @@ class Watchdog:
         phases = {rank: phase for rank, (_, phase) in w.phases.items()}
         return detectors.phase_hang_threshold(threshold_s, phases, self._cfg.phase_timeouts_s)
 
-    def _prefetch(self, w: _Watched, horizon_ns: int, settle_s: float) -> None:
-        """A large job stalled for a third of its hang threshold (half, up to
-        ``PREFETCH_MIN_S``; see ``PREFETCH_AT``): ask for the raw entries of the
-        suspect the fronts show already, so that they are stored when the threshold passes
-        (a hang's entries no longer change; a stall that resolves cost one small pull)."""
-        if self._send is None or w.fronts is None or not w.fronts.rows_applied:
-            return
-        front = w.fronts.verdict(horizon_ns, settle_s)
-        if front is not None:
-            key = (front.verdict, tuple(front.culprits), tuple(front.groups))
-            if key != w.pull_key:
-                w.pull_key, w.pull_sent = key, time.monotonic()
-                self._pull(w, front)
+    def _pull_of(self, w: _Watched) -> FrontsPull:
+        if w.pull is None:
+            w.pull = FrontsPull(self._job_id, w.number, w.nodes, self._send)
+        return w.pull
 
     def _collective_suspect(self, w: _Watched, now_ns: int, horizon_ns: int) -> tuple | None:
         """A job without steps: stalled since its newest collective enter or completion,
@@ -675,7 +639,7 @@ class Watchdog:
         # little apart per rank, and a rank whose entry is not stored yet looks like the
         # odd one out for a moment (a "mismatch" naming the wrong rank). Not so for a large
         # job's verdict: it is made on pulled entries only once every member's are stored
-        # (or on the fronts, after waiting PULL_WAIT_S for them).
+        # (or on the fronts, after waiting fronts_pull.PULL_WAIT_S for them).
         key = (verdict, tuple(culprits))
         if key != w.verdict_key:
             w.verdict_key, w.verdict_since = key, now
@@ -720,71 +684,13 @@ class Watchdog:
         counting only waits older than ``settle_s``; None if the store cannot say."""
         w = self._watched
         if w is not None and w.number == attempt and w.fronts is not None and w.fronts.rows_applied:
-            return self._diagnose_fronts(w, settle_s, horizon_ns)
+            return self._pull_of(w).diagnose(w.fronts, self._lock, settle_s, horizon_ns)
         try:
             traces = recent_traces(self._store, self._job_id, attempt, DIAGNOSIS_SEQS)
             return diagnose(traces, DiagnosisConfig(settle_s=settle_s), now_ns=horizon_ns)
         except Exception:  # noqa: BLE001 - no verdict is a verdict (unconfirmed path)
             log.exception("live diagnosis of attempt %d failed", attempt)
             return None
-
-    def _diagnose_fronts(self, w: _Watched, settle_s: float, horizon_ns: int) -> Diagnosis | None:
-        """A large job: the fronts name the suspect and its groups; their members' raw
-        entries are pulled from the agents (once per suspect) and diagnosed by the flight
-        recorder. Until they are in and it confirms (at most ``PULL_WAIT_S`` from the pull):
-        no verdict; then the fronts' own."""
-        with self._lock:
-            front = w.fronts.verdict(horizon_ns, settle_s) if w.fronts is not None else None
-        if front is None:
-            return None
-        now = time.monotonic()
-        key = (front.verdict, tuple(front.culprits), tuple(front.groups))
-        if key != w.pull_key:
-            w.pull_key, w.pull_sent = key, now
-            self._pull(w, front)
-        try:
-            # the answers as observed (the store has them too, later): see pulled_entries
-            source = (w.pulled or PulledEntries(self._job_id, w.number)).members(front.members)
-            traces = recent_traces(source, self._job_id, w.number, PULL_ENTRIES, groups=front.groups)
-        except Exception:  # noqa: BLE001 - the fronts still say something
-            log.exception("reading the pulled entries of attempt %d failed", w.number)
-            traces = None
-        members = {r for ranks in front.members.values() for r in ranks}
-        pulled = traces is not None and members <= {r for r, t in traces.ranks.items() if t.entries}
-        if pulled:
-            d = diagnose(traces, DiagnosisConfig(settle_s=settle_s), now_ns=horizon_ns)
-            if d.verdict in ("hang", "mismatch") and d.culprit_ranks:
-                return d
-        # entries pulled early hold waits still short of the threshold: as the horizon moves
-        # on they grow past it, and the flight recorder's verdict is waited for (from the
-        # pull, PULL_WAIT_S at most) before the fronts' own is taken
-        if now - w.pull_sent >= PULL_WAIT_S:
-            return _front_diagnosis(front, w.number)
-        return None
-
-    def _pull(self, w: _Watched, front: FrontVerdict) -> None:
-        """Ask the agents of the suspect groups' members for their newest raw entries."""
-        if self._send is None:
-            return
-        by_node: dict[str, list[int]] = {}
-        for rank in sorted({r for ranks in front.members.values() for r in ranks}):
-            if 0 <= rank < len(w.nodes):
-                by_node.setdefault(w.nodes[rank], []).append(rank)
-        if len(by_node) > PULL_MAX_NODES:
-            log.warning("attempt %d: %s suspected of %d rank(s) in %d group(s) over %d nodes (%s); not pulling "
-                        "raw entries from more than %d nodes: the fronts decide", w.number, front.verdict,
-                        len(front.culprits), len(front.groups), len(by_node), front.summary, PULL_MAX_NODES)
-            return
-        log.info("attempt %d: %s suspected (%s); pulling the raw entries of %d rank(s) on %d node(s)",
-                 w.number, front.verdict, front.summary, sum(map(len, by_node.values())), len(by_node))
-        for node, ranks in by_node.items():
-            pull = events_pb2.TracePull(job_id=self._job_id, attempt=w.number, ranks=ranks,
-                                        groups=front.groups, last=PULL_ENTRIES)
-            try:
-                self._send(node, events_pb2.Command(command_id=f"pull-{w.number}-{node}", job_id=self._job_id,
-                                                    attempt=w.number, rank=-1, pull=pull))
-            except Exception as exc:  # noqa: BLE001 - an unreachable agent: decide without it
-                log.warning("could not ask node %s for raw entries: %s", node, exc)
 
     def _job_total_steps(self) -> int | None:
         if self._total_steps is None:
@@ -794,9 +700,3 @@ class Watchdog:
                 log.debug("could not read the job's total steps", exc_info=True)
         return self._total_steps
 
-
-def _front_diagnosis(front: FrontVerdict, attempt: int) -> Diagnosis:
-    """The fronts' verdict as a diagnosis (no raw entries behind it)."""
-    return Diagnosis(source="fronts", attempt=attempt, verdict=front.verdict, culprit_ranks=list(front.culprits),
-                     findings=[], ranks=[], missing_ranks=[], groups=[], wavefront=[],
-                     summary=f"{front.summary} (from the agents' collective fronts)")

@@ -19,8 +19,9 @@ from fleet.controlplane.detectors import Incident
 from fleet.controlplane.lifecycle import JobState
 from fleet.controlplane.store import Store
 from fleet.controlplane.store.ingest import prepare
-from fleet.controlplane import watchdog
-from fleet.controlplane.watchdog import PULL_WAIT_S, Watchdog
+from fleet.controlplane import fronts_pull
+from fleet.controlplane.fronts_pull import PULL_WAIT_S
+from fleet.controlplane.watchdog import Watchdog
 from fleet.proto import columns, events_pb2
 from fleet.proto.fronts import FrontRow, pack, signature
 from fleet.proto.kinds import IncidentKind
@@ -181,7 +182,7 @@ def test_a_suspicion_over_more_nodes_than_a_pull_may_ask_is_left_to_the_fronts(
         store: Store, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # agents reconnecting after a controller restart once had the fronts blame 8,192 ranks
     # over every node of a 16,384-rank job; pulling all their rings buried the ingest
-    monkeypatch.setattr(watchdog, "PULL_MAX_NODES", 1)   # the suspect group spans 2 nodes here
+    monkeypatch.setattr(fronts_pull, "PULL_MAX_NODES", 1)   # the suspect group spans 2 nodes here
     incidents, agents = Incidents(), Agents()
     with Watchdog(store, job, CFG, incidents, send=agents) as wd:
         wd.watch(1, NODES)

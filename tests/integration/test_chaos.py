@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from fleet.controlplane.lifecycle import JobState
-from fleet.controlplane.watchdog import PULL_ENTRIES
+from fleet.controlplane.fronts_pull import PULL_ENTRIES
 from tests.integration.test_fleet_up import FLEET, FleetUp, controller_job, inject_fault, store_of, write_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
