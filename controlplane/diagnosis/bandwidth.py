@@ -146,6 +146,9 @@ def _times(size: int | None, n: int) -> int | None:
 # --- analytics over a TraceSet ---------------------------------------------------------
 
 _NOT_MEASURED = np.iinfo(np.int64).max
+#: A collective whose arrival skew is at least this is skewed (``detect.slow_comm.skew_s``'s
+#: default): "last in" is counted over a group's skewed collectives where it has any.
+LATE_SKEW_S = 0.1
 _WRAPPER, _ASYNC, _NCCL = Timing.WRAPPER.wire, Timing.ASYNC.wire, Timing.NCCL.wire
 
 #: How the member time shares split: what is exposed is known only for blocking calls.
@@ -181,8 +184,8 @@ class BandwidthRow:
     busbw_p90_bps: float | None
     skew_s: float | None           # median arrival skew: first to last member entering
     skew_p90_s: float | None
-    last_rank: int | None          # the member most often last in (ties: lowest rank)
-    last_share: float | None       # its share of the collectives
+    last_rank: int | None          # the member most often last in (ties: lowest rank; see _last_in)
+    last_share: float | None       # its share of the collectives counted
     utilization: float | None      # busbw / the group's link bandwidth, when given
     bucketed: bool = False         # all_to_all: S varies with the routing, so ``bytes`` is the upper
                                    # bound of a power-of-two bucket (each collective rated with its own S)
@@ -416,7 +419,7 @@ def _analyse_group(name: str, desc: str, members: tuple[int, ...], c: _Columns, 
     bus_q = _grouped_quantiles(row_of[rated], busbw[rated], n_rows, (0.1, 0.9))
     rated_rows = np.bincount(row_of[rated], minlength=n_rows)
     skew_q = _grouped_quantiles(row_of, skew_s, n_rows, (0.5, 0.9))
-    last_r, last_c = _most_frequent(row_of, last_rank, n_rows)
+    last_r, last_c, last_n = _last_in(row_of, last_rank, skew_s, n_rows)
     row_counts = np.bincount(row_of, minlength=n_rows)
     row_measured = np.bincount(row_of[measured], minlength=n_rows)
     row_timings = _timings_per_row(row_of[measured], timing[measured], n_rows)
@@ -434,18 +437,18 @@ def _analyse_group(name: str, desc: str, members: tuple[int, ...], c: _Columns, 
             algbw_bps=_f(algbw_row) if algbw_row is not None else None, busbw_bps=_f(busbw_med) if busbw_med is not None else None,
             busbw_p10_bps=_f(bus_q[0, i]), busbw_p90_bps=_f(bus_q[1, i]),
             skew_s=_f(skew_q[0, i]), skew_p90_s=_f(skew_q[1, i]),
-            last_rank=int(last_r[i]), last_share=float(last_c[i] / row_counts[i]),
+            last_rank=int(last_r[i]), last_share=float(last_c[i] / last_n[i]),
             utilization=busbw_med / link if busbw_med is not None and link and link > 0 else None,
             bucketed=bool(a2a[k])))
 
     whole = np.zeros(len(keep), dtype=np.int64)
     g_skew = _grouped_quantiles(whole, skew_s, 1, (0.5, 0.9))
-    g_last, g_count = _most_frequent(whole, last_rank, 1)
+    g_last, g_count, g_n = _last_in(whole, last_rank, skew_s, 1)
     group = GroupBandwidth(
         group=name, desc=desc, members=members, collectives=len(keep), incomplete=int(len(starts) - len(keep)),
         measured=int(measured.sum()), skew_s=_f(g_skew[0, 0]), skew_p90_s=_f(g_skew[1, 0]),
         last_rank=int(g_last[0]) if len(keep) else None,
-        last_share=float(g_count[0] / len(keep)) if len(keep) else None,
+        last_share=float(g_count[0] / g_n[0]) if len(keep) else None,
         shares=_shares(members, c, windows))
     return group, rows, set(np.unique(timing[measured]).tolist())
 
@@ -477,6 +480,23 @@ def _grouped_quantiles(group: np.ndarray, values: np.ndarray, n_groups: int, qs:
         hi = np.minimum(lo + 1, c - 1)
         out[i, has] = v[st + lo] + (v[st + hi] - v[st + lo]) * (pos - lo)
     return out
+
+
+def _last_in(group: np.ndarray, last_rank: np.ndarray, skew_s: np.ndarray,
+             n_groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per group number: the member most often last in, how often, and out of how many
+    collectives: its skewed ones (arrival skew >= ``LATE_SKEW_S``) where it has any, else
+    all. A rank late once per step is last in that step's skewed collective; in the others
+    the last member is whoever the scheduler made a few microseconds late, which on a
+    busy host is any of them, and counted alike they can outnumber it."""
+    skewed = skew_s >= LATE_SKEW_S
+    every = _most_frequent(group, last_rank, n_groups)
+    late = _most_frequent(group[skewed], last_rank[skewed], n_groups)
+    n_every = np.bincount(group, minlength=n_groups)
+    n_late = np.bincount(group[skewed], minlength=n_groups)
+    use = n_late > 0
+    return (np.where(use, late[0], every[0]), np.where(use, late[1], every[1]),
+            np.maximum(np.where(use, n_late, n_every), 1))
 
 
 def _most_frequent(group: np.ndarray, values: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:

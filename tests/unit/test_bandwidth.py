@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from fleet.controlplane.diagnosis.bandwidth import (
     DTYPE_BYTES,
+    LATE_SKEW_S,
     analyse,
     base_op,
     bench_analytics,
@@ -228,6 +229,26 @@ def test_skew_percentiles_and_the_usual_last_arriver():
     assert row.skew_p90_s == pytest.approx(3.7e-3)
     assert (row.last_rank, row.last_share) == (3, 0.75)
     assert (group.skew_s, group.last_rank, group.last_share) == (row.skew_s, 3, 0.75)
+
+
+def test_last_in_is_counted_over_the_skewed_collectives_where_there_are_any():
+    # rank 3 arrives 0.3 s late at the first of each step's 5 collectives; in the other 4,
+    # rank 2 is last by a few microseconds (a busy host): counted alike rank 2 would win 12
+    # to 3, but of the skewed collectives (>= LATE_SKEW_S) rank 3 is last in every one
+    table = SignatureTable()
+    sig = all_reduce_4mib(table)
+    entries: dict[int, list] = {r: [] for r in range(4)}
+    for step in range(3):
+        for k in range(5):
+            seq = step * 5 + k + 1
+            late = {3: 300 * MS} if k == 0 else {2: 5_000}
+            for r in range(4):
+                entries[r].append((seq, sig, seq * 1000 * MS + late.get(r, 0), MS, WRAPPER))
+    report = analyse(traces_of(table, entries))
+    [row], [group] = report.rows, report.groups
+    assert LATE_SKEW_S <= 0.3
+    assert (row.last_rank, row.last_share) == (3, 1.0)
+    assert (group.last_rank, group.last_share) == (3, 1.0)
 
 
 def test_a_tie_for_last_goes_to_the_lowest_rank():
