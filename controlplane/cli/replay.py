@@ -458,11 +458,11 @@ def _print_job(report: dict[str, Any], last_steps: int) -> None:
             f"[yellow]warning:[/] {sum(d['events'] for d in lost)} events from nodes "
             f"{sorted({d['node'] for d in lost})} never reached the store while this job ran "
             f"({lost[-1]['reason']}); a rank may look behind because of it (fleet nodes)")
-    shown: dict[tuple[int, str], int] = {}
+    by_kind: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for inc in report["incidents"]:
-        key = (inc["attempt"], inc["kind"])
-        shown[key] = shown.get(key, 0) + 1
-        if shown[key] > INCIDENTS_SHOWN_PER_KIND:
+        same = by_kind.setdefault((inc["attempt"], inc["kind"]), [])
+        same.append(inc)
+        if len(same) > INCIDENTS_SHOWN_PER_KIND:
             continue
         how = exit_text(inc["exit_code"])
         console.print(
@@ -471,13 +471,12 @@ def _print_job(report: dict[str, Any], last_steps: int) -> None:
         )
         if inc["traceback"]:
             print_traceback(inc["traceback"])
-    for (attempt, kind), count in shown.items():
-        if count > INCIDENTS_SHOWN_PER_KIND:
-            nodes = sorted({i["node"] for i in report["incidents"]
-                            if (i["attempt"], i["kind"]) == (attempt, kind) and i["node"]})
-            console.print(f"[red]incident[/] attempt {attempt}: ... {count - INCIDENTS_SHOWN_PER_KIND} more {kind} "
-                          f"incidents ({count} in all, on {len(nodes)} node(s): {_few(nodes)}; --json lists "
-                          "every one)", highlight=False)
+    for (attempt, kind), same in by_kind.items():
+        if len(same) > INCIDENTS_SHOWN_PER_KIND:
+            nodes = sorted({i["node"] for i in same if i["node"]})
+            console.print(f"[red]incident[/] attempt {attempt}: ... {len(same) - INCIDENTS_SHOWN_PER_KIND} more "
+                          f"{kind} incidents ({len(same)} in all, on {len(nodes)} node(s): {_few(nodes)}; --json "
+                          "lists every one)", highlight=False)
     if report["checkpoints"]:
         console.print("checkpoints: " + ", ".join(
             f"step {c['step']}" + ("" if c["valid"] else " [red]INVALID[/]") for c in report["checkpoints"]))
