@@ -116,7 +116,7 @@ class FleetUp:
         try:
             out, self._err = self.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            logs = self.log_tails()
+            logs = self.log_tails() + "\n" + self.stacks()
             self.proc.send_signal(signal.SIGINT)   # its own teardown first: Ray, agents, ranks
             try:
                 out, self._err = self.wait(30)
@@ -139,6 +139,32 @@ class FleetUp:
             except OSError:
                 continue
             parts.append(f"--- {path.relative_to(self.tmp)} ---\n" + "\n".join(tail))
+        return "\n".join(parts)
+
+    def stacks(self) -> str:
+        """Every process of the run as it stands (what a run that does not end waits on):
+        pid, name, state and command line, and each Python process's threads (py-spy)."""
+        try:
+            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.Error:
+            return "--- processes: fleet up is gone ---"
+        parts = ["--- processes ---"]
+        for p in tree:
+            try:
+                parts.append(f"{p.pid} {p.name()} {p.status()} {' '.join(p.cmdline())[:200]}")
+            except psutil.Error:
+                continue
+        spy = Path(sys.executable).with_name("py-spy")
+        for p in tree:
+            try:
+                if "python" not in p.name() and not p.name().startswith(("ray::", "fleet")):
+                    continue
+                out = subprocess.run([str(spy), "dump", "--pid", str(p.pid)], capture_output=True, text=True,
+                                     timeout=20)
+            except (psutil.Error, OSError, subprocess.TimeoutExpired) as exc:
+                parts.append(f"--- py-spy {p.pid}: {exc} ---")
+                continue
+            parts.append(f"--- py-spy {p.pid} ---\n{(out.stdout or out.stderr)[-4000:]}")
         return "\n".join(parts)
 
     def stderr(self) -> str:
