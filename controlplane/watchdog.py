@@ -684,7 +684,10 @@ class Watchdog:
         counting only waits older than ``settle_s``; None if the store cannot say."""
         w = self._watched
         if w is not None and w.number == attempt and w.fronts is not None and w.fronts.rows_applied:
-            return self._pull_of(w).diagnose(w.fronts, self._lock, settle_s, horizon_ns)
+            # a large job: its steps stalled past the threshold already, so the suspects'
+            # waits need only be as old as when their entries were asked for (the prefetch's
+            # settle, the same suspect: not pulled again), not the threshold once more
+            return self._pull_of(w).diagnose(w.fronts, self._lock, prefetch_settle_s(settle_s), horizon_ns)
         try:
             traces = recent_traces(self._store, self._job_id, attempt, DIAGNOSIS_SEQS)
             return diagnose(traces, DiagnosisConfig(settle_s=settle_s), now_ns=horizon_ns)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import typer
@@ -28,10 +27,8 @@ def test_llama4_counts_match_published(preset, total, active):
     assert got_active == pytest.approx(active, rel=0.03)
 
 
-def test_meta_build_is_fast_and_allocates_nothing():
-    start = time.perf_counter()
+def test_meta_build_allocates_nothing():
     model = meta_model(PRESETS["maverick"])
-    assert time.perf_counter() - start < 3.0
     assert all(p.is_meta for p in model.parameters())
 
 
