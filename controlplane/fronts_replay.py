@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,8 @@ from fleet.proto.fronts import pack
 
 #: Most groups the wavefront around an incident shows (the culprits' and the diagnosis's).
 FOCUS_GROUPS = 16
+#: Attempts of a large job read at once (each its own store session).
+ATTEMPT_THREADS = 4
 #: Page sizes a reader may ask for.
 PAGE_SIZE_MAX = 10_000
 PAGE_BY = ("rank", "group")
@@ -212,14 +215,21 @@ def fronts_report(store: Store, job_id: str, attempt: int | None, paging: Paging
                   "traceback": i.traceback} for i in records]
     out = []
     raw_max = _raw_ingest_max_ranks(job.config_json)
-    for a in attempts:
-        # an attempt of a large job whose fronts were never written (it ended, or the
-        # controller died, before a flush) is still a large job's: read around its pulled
-        # entries, never its every rank's groups
-        if _large(store, job_id, a.number, raw_max):
-            out.append(fronts_attempt(store, job_id, a, incidents, paging, last_steps))
-        else:
-            out.extend(replay_report(store, job_id, a.number)["attempts"])
+    # an attempt of a large job whose fronts were never written (it ended, or the
+    # controller died, before a flush) is still a large job's: read around its pulled
+    # entries, never its every rank's groups
+    large = [a for a in attempts if _large(store, job_id, a.number, raw_max)]
+    # attempts are read side by side: most of one's time is the database's (a PostgreSQL
+    # server works on several queries at once), not this process's
+    with ThreadPoolExecutor(max_workers=max(1, min(ATTEMPT_THREADS, len(large))),
+                            thread_name_prefix="fleet-replay") as pool:
+        built = {a.number: pool.submit(fronts_attempt, store, job_id, a, incidents, paging, last_steps)
+                 for a in large}
+        for a in attempts:
+            if a.number in built:
+                out.append(built[a.number].result())
+            else:
+                out.extend(replay_report(store, job_id, a.number)["attempts"])
     checks = store.sdc_checks(job_id, attempt)
     suspects: dict[int, set[int]] = {}
     for c in checks:

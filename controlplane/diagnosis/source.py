@@ -135,9 +135,14 @@ def attempt_traces(source: TraceSource, job_id: str, attempt: int,
             b = builders[rank] = TraceBuilder(rank, table, source="store")
         return b
 
+    canonical: dict[tuple, tuple[int, ...]] = {}   # a group's members, sorted once, not per member
     for g in source.process_groups(job_id, attempt, groups=groups):
+        key = tuple(g.ranks)
+        members = canonical.get(key)
+        if members is None:
+            members = canonical[key] = tuple(sorted(int(r) for r in key))
         for name in (g.group, p2p_group(g.group)):
-            builder(g.rank).declare_group(name, g.desc, g.ranks)
+            builder(g.rank).declare_group(name, g.desc, members, canonical=True)
     for c in source.collectives(job_id, attempt) if rows is None else rows:
         if only is not None and c.group not in only and c.group.removesuffix(P2P_SUFFIX) not in only:
             continue

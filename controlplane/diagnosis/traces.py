@@ -192,11 +192,13 @@ class TraceBuilder:
         self.trace = RankTrace(rank=rank, source=source)
         self._pending_p2p: list[tuple[str, str, str, int, int, int, bool]] = []
 
-    def declare_group(self, group: str, desc: str = "", ranks: Iterable[int] = ()) -> None:
-        """Record what the rank knows of ``group``: its description and members."""
+    def declare_group(self, group: str, desc: str = "", ranks: Iterable[int] = (), *,
+                      canonical: bool = False) -> None:
+        """Record what the rank knows of ``group``: its description and members
+        (``canonical``: ``ranks`` is a sorted tuple of ints already, shared as it is)."""
         if desc:
             self.trace.group_desc.setdefault(group, desc)
-        members = tuple(sorted(int(r) for r in ranks))
+        members = ranks if canonical else tuple(sorted(int(r) for r in ranks))
         if members:
             self.trace.group_ranks[group] = members
 

@@ -91,8 +91,10 @@ class RankRecord:
     pid: int
 
 
-@dataclass(frozen=True)
-class CollectiveRecord:
+class CollectiveRecord(NamedTuple):
+    """One rank's stored collective. A named tuple, not a frozen dataclass: a large job's
+    replay reads ~10^5 of them, and a frozen dataclass is built field by field."""
+
     job_id: str
     attempt: int
     rank: int

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Float, bindparam, case, cast, func, select, tuple_
+from sqlalchemy import Float, bindparam, case, cast, func, literal, select, tuple_
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DataError, IntegrityError
 
@@ -51,16 +51,23 @@ SDC_KINDS = ingest.SDC_KINDS
 DROP_SOURCES = frozenset({"agent", "controller"})
 
 
+def _collective_columns() -> tuple:
+    """The ``collectives`` columns ``_collective_record`` reads, in its order."""
+    c = Collective.__table__.c
+    return (c.job_id, c.attempt, c.rank, c.group_name, c.group_size, c.seq, c.op, c.input_sizes, c.input_dtypes,
+            c.output_sizes, c.output_dtypes, c.enter_ns, c.exit_ns, c.state, c.step, c.exit_estimated,
+            c.duration_ns, c.timing)
+
+
 def _collective_record(r: Any) -> CollectiveRecord:
-    """One ``collectives`` row as a record (sizes and dtypes parsed from their JSON)."""
-    return CollectiveRecord(
-        job_id=r.job_id, attempt=r.attempt, rank=r.rank, group=r.group_name,
-        group_size=r.group_size, seq=r.seq, op=r.op,
-        input_sizes=_sizes(r.input_sizes), input_dtypes=_dtypes(r.input_dtypes),
-        output_sizes=_sizes(r.output_sizes), output_dtypes=_dtypes(r.output_dtypes),
-        enter_ns=r.enter_ns, exit_ns=r.exit_ns, state=r.state, step=r.step,
-        exit_estimated=bool(r.exit_estimated), duration_ns=r.duration_ns or None,
-        timing=(r.timing or 0) if r.duration_ns else 0)
+    """One ``collectives`` row, selected as ``_collective_columns``, as a record (sizes and
+    dtypes parsed from their JSON). Positional: a row's attribute lookup by name costs
+    more than the rest of the record."""
+    (job_id, attempt, rank, group, group_size, seq, op, in_sizes, in_dtypes, out_sizes, out_dtypes, enter_ns,
+     exit_ns, state, step, estimated, duration_ns, timing) = r
+    return CollectiveRecord(job_id, attempt, rank, group, group_size, seq, op, _sizes(in_sizes), _dtypes(in_dtypes),
+                            _sizes(out_sizes), _dtypes(out_dtypes), enter_ns, exit_ns, state, step, bool(estimated),
+                            duration_ns or None, (timing or 0) if duration_ns else 0)
 
 
 # A job's collectives repeat a few shapes and dtypes: each text is parsed once (the
@@ -232,7 +239,7 @@ class TelemetryMethods(StoreBase):
                     group: str | None = None) -> list[CollectiveRecord]:
         """Collectives ordered by attempt, rank, group, seq."""
         c = Collective.__table__.c
-        stmt = select(Collective.__table__).where(c.job_id == job_id)
+        stmt = select(*_collective_columns()).where(c.job_id == job_id)
         if attempt is not None:
             stmt = stmt.where(c.attempt == attempt)
         if rank is not None:
@@ -241,7 +248,7 @@ class TelemetryMethods(StoreBase):
             stmt = stmt.where(c.group_name == group)
         stmt = stmt.order_by(c.attempt, c.rank, c.group_name, c.seq)
         with self._tx(write=False) as s:
-            return [_collective_record(r) for r in s.execute(stmt)]
+            return [_collective_record(r) for r in s.execute(stmt).all()]
 
     def process_groups(self, job_id: str, attempt: int | None = None, *, ranks: Sequence[int] | None = None,
                        groups: Sequence[str] | None = None) -> list[ProcessGroupRecord]:
@@ -404,7 +411,9 @@ class TelemetryMethods(StoreBase):
         """The stored fronts of an attempt, ordered by rank and group (``entered``, the
         per-report count, is not stored: 0). ``offset``/``limit`` page through them."""
         c = CollectiveFront.__table__.c
-        stmt = select(CollectiveFront.__table__).where(c.job_id == job_id, c.attempt == attempt)
+        stmt = select(c.job_id, c.attempt, c.rank, c.group_name, c.group_size, c.entered_seq, c.completed_seq,
+                      c.entered_ns, c.completed_ns, c.op, c.signature, c.step, literal(0)
+                      ).where(c.job_id == job_id, c.attempt == attempt)
         if ranks is not None:
             stmt = stmt.where(c.rank.in_(list(ranks)))
         if groups is not None:
@@ -413,9 +422,8 @@ class TelemetryMethods(StoreBase):
         if limit is not None:
             stmt = stmt.limit(limit)
         with self._tx(write=False) as s:
-            return [FrontRow(r.job_id, r.attempt, r.rank, r.group_name, r.group_size, r.entered_seq,
-                             r.completed_seq, r.entered_ns, r.completed_ns, r.op, r.signature, r.step, 0)
-                    for r in s.execute(stmt)]
+            make = FrontRow._make   # positional: the columns above are FrontRow's fields
+            return [make(r) for r in s.execute(stmt).all()]
 
     def count_fronts(self, job_id: str, attempt: int) -> int:
         """How many fronts an attempt has stored (0: it sent every collective instead)."""
@@ -438,8 +446,8 @@ class TelemetryMethods(StoreBase):
 
         Index lookups only: a few per group and per lagging member, and ``per_group``
         rows per group and member, however many collectives the attempt has stored."""
-        t = Collective.__table__
-        c = t.c
+        c = Collective.__table__.c
+        cols = _collective_columns()
         base = (c.job_id == job_id, c.attempt == attempt)
         with self._tx(write=False) as s:
             only = groups
@@ -464,12 +472,12 @@ class TelemetryMethods(StoreBase):
                 top = s.scalar(select(func.max(c.seq)).where(*base, c.group_name == g))
                 if top is None:
                     continue
-                window = s.execute(select(t).where(*base, c.group_name == g,
+                window = s.execute(select(*cols).where(*base, c.group_name == g,
                                                    c.seq > top - per_group)).all()
                 rows += window
                 behind = members.get(g, set()) - {r.rank for r in window}
                 for rank in sorted(behind):
-                    last = s.execute(select(t).where(*base, c.rank == rank, c.group_name == g)
+                    last = s.execute(select(*cols).where(*base, c.rank == rank, c.group_name == g)
                                      .order_by(c.seq.desc()).limit(1)).first()
                     if last is not None:
                         rows.append(last)
@@ -601,11 +609,11 @@ class TelemetryMethods(StoreBase):
         group, seq."""
         c = Collective.__table__.c
         names = sorted({n for g in groups for n in (g, f"{g}:p2p")})
-        stmt = (select(Collective.__table__).where(c.job_id == job_id, c.attempt == attempt,
+        stmt = (select(*_collective_columns()).where(c.job_id == job_id, c.attempt == attempt,
                                                    c.group_name.in_(names))
                 .order_by(c.rank, c.group_name, c.seq))
         with self._tx(write=False) as s:
-            return [_collective_record(r) for r in s.execute(stmt)]
+            return [_collective_record(r) for r in s.execute(stmt).all()]
 
     def rank_nodes(self, job_id: str, attempt: int, ranks: Sequence[int]) -> dict[int, str]:
         """The node of each of ``ranks`` that the attempt placed (others absent)."""
