@@ -41,6 +41,7 @@ from fleet.controlplane.detectors import DetectorAction, Incident, RestartDecisi
     attribute_with_trace, decide_response, decide_restart
 from fleet.controlplane.diagnosis import diagnose_attempt
 from fleet.controlplane.errors import UnavailableError
+from fleet.controlplane.interrupts import DeferredInterrupt
 from fleet.controlplane.job_control import LiveJob
 from fleet.controlplane.lifecycle import AttemptState, JobState, NodeActor
 from fleet.controlplane.logtee import LogTee
@@ -237,8 +238,10 @@ class AttemptRunner:
                 recovery.place_s += time.monotonic() - t_place
                 self.firer.rearm(recovery.last_step)
 
-            outcome = self._watch(group, attempt, recovery,
-                                  (lambda: pool.fill_spares(chosen)) if not self._builtin else None, spares_due)
+            with DeferredInterrupt() as ctrl_c:   # Ctrl-C while watching: raised between polls
+                outcome = self._watch(group, attempt, recovery,
+                                      (lambda: pool.fill_spares(chosen)) if not self._builtin else None,
+                                      spares_due, ctrl_c)
             recovery = None
             if outcome == "stop":
                 try:
@@ -276,15 +279,19 @@ class AttemptRunner:
         return "127.0.0.1" if self.config.ray.address is None else placement[0].address
 
     def _watch(self, group: Workers, attempt: int, recovery: PendingRecovery | None,
-               fill_spares: Callable[[], None] | None = None, spares_due: float = 0.0) -> Incident | str | None:
+               fill_spares: Callable[[], None] | None = None, spares_due: float = 0.0,
+               ctrl_c: DeferredInterrupt | None = None) -> Incident | str | None:
         """Block until the attempt ends: None = success, "stop", or the Incident that
         ends it. Meanwhile: act on incidents that do not end it (agent loss, straggler,
         loss spike), finish timing a recovery once its first step lands, show progress,
         and ``fill_spares()`` once the attempt made progress or ``spares_due`` (monotonic)
-        passed: new processes starting would compete with its ranks' start for the CPU."""
+        passed: new processes starting would compete with its ranks' start for the CPU.
+        A Ctrl-C noted by ``ctrl_c`` is raised at the top of the loop, between two calls."""
         job = self.job
         next_tick = next_note = 0.0
         while True:
+            if ctrl_c is not None:
+                ctrl_c.check()
             failures = group.poll(POLL_INTERVAL_S)
             if failures:
                 settle = time.monotonic() + (FAILURE_SETTLE_S if self._builtin else PROGRAM_SETTLE_S)

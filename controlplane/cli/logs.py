@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -22,6 +21,7 @@ import typer
 
 from fleet.controlplane.cli.common import ClusterOpt, StateDirOpt, StoreOpt, open_store, state_dir_of
 from fleet.controlplane.errors import Interrupted, NotFoundError
+from fleet.controlplane.interrupts import DeferredInterrupt
 from fleet.controlplane.logtee import LogTee, rank_logs
 
 if TYPE_CHECKING:
@@ -99,9 +99,11 @@ def follow_logs(store: Store, job_id: str, attempt: int, folder: Path, rank: int
     world = _world_size(job.config_json)
     prefix = rank is None and world != 1
     try:
-        with LogTee(folder, write, poll_s, ranks=None if rank is None else {rank}, prefix=prefix):
+        # Ctrl-C between two polls of the store, never inside one (``interrupts``)
+        with DeferredInterrupt() as ctrl_c, \
+                LogTee(folder, write, poll_s, ranks=None if rank is None else {rank}, prefix=prefix):
             while not _attempt_ended(store, job_id, attempt):
-                time.sleep(poll_s)
+                ctrl_c.pause(poll_s)
     except KeyboardInterrupt:
         raise Interrupted(f"stopped following the logs of job {job_id} attempt {attempt}") from None
 

@@ -15,7 +15,6 @@ printed after the last; with ``--json`` it prints one JSON object per line per r
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from rich.text import Text
 from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StateDirOpt, StoreOpt, open_store, state_dir_of
 from fleet.controlplane.cli.render import console, fmt_time, print_json, table
 from fleet.controlplane.errors import ConfigError, FleetError, NotFoundError, UnavailableError
+from fleet.controlplane.interrupts import DeferredInterrupt
 
 if TYPE_CHECKING:
     from fleet.controlplane.client import ControlClient
@@ -168,38 +168,14 @@ def status(
 
 
 def _watch(source: StatusSource, job: str, interval: float, json_out: bool) -> None:
-    """Redraw until the job ends or Ctrl-C. The first Ctrl-C ends the watch after the
-    refresh in progress (an interrupt inside a store read or a gRPC call can leave a lock
-    held, and closing the source then waits on it for ever); a second one ends it at once."""
-    stop = _CtrlC()
-    previous = signal.signal(signal.SIGINT, stop.handle)
-    try:
-        _redraw(source, job, interval, json_out, stop)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    """Redraw until the job ends or Ctrl-C, which ends the watch after the refresh in
+    progress (``interrupts``: an interrupt inside a store read or a gRPC call can leave a
+    lock held that closing the source then waits on for ever)."""
+    with DeferredInterrupt() as ctrl_c:
+        _redraw(source, job, interval, json_out, ctrl_c)
 
 
-class _CtrlC:
-    """Set by the first SIGINT; the second raises ``KeyboardInterrupt``."""
-
-    def __init__(self) -> None:
-        self.asked = False
-
-    def handle(self, signum: int, frame: object) -> None:
-        if self.asked:
-            raise KeyboardInterrupt
-        self.asked = True
-
-    def pause(self, seconds: float) -> bool:
-        """Sleep ``seconds`` (in slices, so that a Ctrl-C is seen within 0.1 s); True when
-        asked to stop."""
-        deadline = time.monotonic() + seconds
-        while not self.asked and (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(left, 0.1))
-        return self.asked
-
-
-def _redraw(source: StatusSource, job: str, interval: float, json_out: bool, stop: _CtrlC) -> None:
+def _redraw(source: StatusSource, job: str, interval: float, json_out: bool, ctrl_c: DeferredInterrupt) -> None:
     from rich.live import Live
 
     s = source.get(job)
@@ -208,18 +184,21 @@ def _redraw(source: StatusSource, job: str, interval: float, json_out: bool, sto
         while True:
             sys.stdout.write(json.dumps(_as_json(s, source), default=str) + "\n")
             sys.stdout.flush()
-            if _ended(s) or stop.pause(interval):
+            if _ended(s):
                 return
+            ctrl_c.pause(interval)
             s = source.get(job)
     if not console.is_terminal:  # a pipe or a log: one view after another
         while True:
             console.print(render(s, source_text(s, source)))
             console.file.flush()
-            if _ended(s) or stop.pause(interval):
+            if _ended(s):
                 return
+            ctrl_c.pause(interval)
             s = source.get(job)
     with Live(render(s, source_text(s, source)), console=console, auto_refresh=False) as live:
-        while not _ended(s) and not stop.pause(interval):
+        while not _ended(s):
+            ctrl_c.pause(interval)
             s = source.get(job)
             live.update(render(s, source_text(s, source)), refresh=True)
 

@@ -417,8 +417,9 @@ def test_ctrl_c_stops_the_job_and_tears_everything_down(tmp_path: Path) -> None:
     try:
         _, err = run.wait(90)
     except subprocess.TimeoutExpired:
+        stacks = run.stacks()
         run.proc.kill()
-        raise
+        raise AssertionError(f"fleet up still runs 90 s after Ctrl-C\n{run.log_tails()}\n{stacks}") from None
     assert run.proc.returncode == 130, err[-2000:]
     run.assert_tree_gone()
     with store_of(tmp_path) as store:
