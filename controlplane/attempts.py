@@ -239,9 +239,9 @@ class AttemptRunner:
                 self.firer.rearm(recovery.last_step)
 
             with DeferredInterrupt() as ctrl_c:   # Ctrl-C while watching: raised between polls
-                outcome = self._watch(group, attempt, recovery,
+                outcome = self._watch(group, attempt, recovery, ctrl_c,
                                       (lambda: pool.fill_spares(chosen)) if not self._builtin else None,
-                                      spares_due, ctrl_c)
+                                      spares_due)
             recovery = None
             if outcome == "stop":
                 try:
@@ -278,9 +278,8 @@ class AttemptRunner:
         """Rendezvous host: rank 0's node (always loopback for the local cluster)."""
         return "127.0.0.1" if self.config.ray.address is None else placement[0].address
 
-    def _watch(self, group: Workers, attempt: int, recovery: PendingRecovery | None,
-               fill_spares: Callable[[], None] | None = None, spares_due: float = 0.0,
-               ctrl_c: DeferredInterrupt | None = None) -> Incident | str | None:
+    def _watch(self, group: Workers, attempt: int, recovery: PendingRecovery | None, ctrl_c: DeferredInterrupt,
+               fill_spares: Callable[[], None] | None = None, spares_due: float = 0.0) -> Incident | str | None:
         """Block until the attempt ends: None = success, "stop", or the Incident that
         ends it. Meanwhile: act on incidents that do not end it (agent loss, straggler,
         loss spike), finish timing a recovery once its first step lands, show progress,
@@ -290,8 +289,7 @@ class AttemptRunner:
         job = self.job
         next_tick = next_note = 0.0
         while True:
-            if ctrl_c is not None:
-                ctrl_c.check()
+            ctrl_c.check()
             failures = group.poll(POLL_INTERVAL_S)
             if failures:
                 settle = time.monotonic() + (FAILURE_SETTLE_S if self._builtin else PROGRAM_SETTLE_S)
