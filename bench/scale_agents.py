@@ -26,7 +26,7 @@ Control on stdin, one JSON object a line; replies on stdout, one JSON object a l
   {"cmd": "fault", "kind": "hang"|"desync", "rank": r, "op_index": N}
   {"cmd": "freeze"}       stop making batches (heartbeats go on): for exact counts
   {"cmd": "stats"}        -> counters (see ``Agents.stats``)
-  {"cmd": "reset"}        restart the ack-gap and welcome-time measurements
+  {"cmd": "reset"}        restart the ack-gap, ack-latency and welcome-time measurements
   {"cmd": "quit"}
 """
 
@@ -202,6 +202,8 @@ class Node:
         self.rejected = 0
         self.last_ack = 0.0
         self.max_ack_gap = 0.0
+        self.written: deque[tuple[int, float]] = deque()  # (seq, monotonic time written), unacked
+        self.max_ack_latency = 0.0             # longest from writing a batch to its ack
         self.reconnects = 0
         self.pulls = 0
         self.pulls_asked = 0
@@ -384,6 +386,7 @@ class Node:
             await asyncio.sleep(reconnect_delay(failures))
 
     def _welcome(self, committed: int) -> None:
+        self.written.clear()  # what is resent after a reconnect is timed from its new write
         while self.unacked and self.unacked[0][0] <= committed:
             self.unacked.popleft()
         self.sent = committed
@@ -408,6 +411,10 @@ class Node:
                         self.rejected += 1
                     while self.unacked and self.unacked[0][0] <= msg.ack.seq:
                         self.unacked.popleft()
+                    if self.written and self.written[0][0] <= msg.ack.seq:
+                        self.max_ack_latency = max(self.max_ack_latency, now - self.written[0][1])
+                    while self.written and self.written[0][0] <= msg.ack.seq:
+                        self.written.popleft()
                 elif kind == "command" and msg.command.WhichOneof("kind") == "pull":
                     self.pulls_asked += 1
                     if self.agents.answer_pulls:
@@ -430,6 +437,7 @@ class Node:
                     await call.write(data)
                     self.sent = seq
                     self.last_write = time.monotonic()
+                    self.written.append((seq, self.last_write))
             if self.heartbeat_due:
                 self.heartbeat_due = False
                 self.last_heartbeat = time.monotonic()
@@ -496,8 +504,16 @@ class Agents:
                 await ch.close()
 
     async def _ticks(self) -> None:
+        # fixed rate, as a real agent cuts a batch ``batch_interval_s`` after its first
+        # pending event: sleeping the interval after each tick's work would stretch the
+        # cadence by the tick's cost (a quarter second at 16,384 ranks) and show up as ack gaps
+        due = time.monotonic()
         while True:
-            await asyncio.sleep(self.batch_interval_s)
+            due += self.batch_interval_s
+            now = time.monotonic()
+            if due < now:  # a tick ran over a whole interval: the next goes now, none are doubled
+                due = now
+            await asyncio.sleep(due - now)
             if not self.job or self.frozen:
                 continue
             started = time.process_time()
@@ -568,7 +584,7 @@ class Agents:
             elif what == "reset":
                 now = time.monotonic()
                 for n in self.nodes:
-                    n.max_ack_gap, n.last_ack = 0.0, now
+                    n.max_ack_gap, n.last_ack, n.max_ack_latency = 0.0, now, 0.0
             elif what == "stats":
                 _reply(self.stats())
             elif what == "quit":
@@ -596,7 +612,8 @@ class Agents:
             "welcomed": sum(n.welcomes > 0 for n in nodes), "min_welcomes": min(n.welcomes for n in nodes),
             "newest_welcome": max(n.welcomed_at for n in nodes), "acks": sum(n.acks for n in nodes),
             "min_acks": min(n.acks for n in nodes), "rejected": sum(n.rejected for n in nodes),
-            "max_ack_gap_s": max(n.max_ack_gap for n in nodes), "unacked": sum(len(n.unacked) for n in nodes),
+            "max_ack_gap_s": max(n.max_ack_gap for n in nodes),
+            "max_ack_latency_s": max(n.max_ack_latency for n in nodes), "unacked": sum(len(n.unacked) for n in nodes),
             "reconnects": sum(n.reconnects for n in nodes), "pulls": sum(n.pulls for n in nodes),
             "pulls_asked": sum(n.pulls_asked for n in nodes),
             "steps": sum(n.steps_total for n in nodes),

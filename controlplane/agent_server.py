@@ -450,9 +450,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         events = count_events(batch.events)
         try:
             if events <= INLINE_PREPARE_EVENTS:
-                rows, rejected = prepare(batch.events), ""
+                rows, rejected = prepare(batch.events, events), ""
             else:
-                rows, rejected = await self._in(self._prepare_pool, prepare, batch.events), ""
+                rows, rejected = await self._in(self._prepare_pool, prepare, batch.events, events), ""
         except InvalidBatch as exc:
             rows, rejected = None, str(exc)
         if rows is not None and self._observer is not None:

@@ -464,9 +464,10 @@ def count_events(events: Sequence[events_pb2.Event]) -> int:
     return n
 
 
-def prepare(events: Sequence[events_pb2.Event]) -> PreparedBatch:
-    """Validate ``events`` and build their rows; ``InvalidBatch`` names the first problem."""
-    out = PreparedBatch(events=count_events(events))
+def prepare(events: Sequence[events_pb2.Event], counted: int | None = None) -> PreparedBatch:
+    """Validate ``events`` and build their rows; ``InvalidBatch`` names the first problem.
+    ``counted``: ``count_events(events)`` when the caller has it already."""
+    out = PreparedBatch(events=count_events(events) if counted is None else counted)
     singles: list[events_pb2.CollectiveEvent] = []  # a run of single collectives, in order
     for i, event in enumerate(events):
         kind = event.WhichOneof("kind")

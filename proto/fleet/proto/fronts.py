@@ -67,6 +67,7 @@ def signature(op: str, input_sizes: str, input_dtypes: str, output_sizes: str, o
 PACKED_COLUMNS = ("job_id", "rank", "group", "group_size", "attempt", "entered_seq", "completed_seq",
                   "entered_ns", "completed_ns", "op", "signature", "step", "entered")
 _PACKED_DTYPE = np.dtype("<i8")
+_COLUMN_SET = frozenset(COLUMNS)
 
 
 class BadBlock(ValueError):
@@ -114,7 +115,7 @@ def packed_matrix(block: events_pb2.CollectiveFronts) -> np.ndarray | None:
     if len(packed) % width:
         raise BadBlock(f"fronts.packed: {len(packed)} bytes is not a whole number of "
                        f"{len(PACKED_COLUMNS)}-column int64 rows")
-    if any(len(getattr(block, name)) for name in COLUMNS):
+    if any(fd.name in _COLUMN_SET for fd, _ in block.ListFields()):  # set fields only: one C call
         raise BadBlock("fronts: both packed and repeated columns")
     return np.frombuffer(packed, dtype=_PACKED_DTYPE).reshape(len(PACKED_COLUMNS), -1)
 
