@@ -22,9 +22,13 @@ What never runs on the loop, because it would stall every other stream:
 - Store calls (the Hello's node row and committed seq, DropReports, node checks, which
   store verdicts and may quarantine) run in a pool of ``STORE_THREADS`` (``fleet-ctl-store``).
 - ``IngestWriter.put`` blocks when the queue is full; the loop only tries it without
-  waiting and, when full, parks the stream until the writer acks something (or 0.25 s
-  passes), then tries again. A parked stream does not read: gRPC flow control pushes
-  back on its agent. Nothing is dropped for being slow.
+  waiting and, when full, parks the stream in a first-come-first-served line
+  (``ParkedStreams``): each ack the writer sends wakes the first in line, and each that
+  gets its batch in wakes the next, so about as many try as there is room for. (Waking
+  every parked stream on every ack cost O(acks x parked) wake-ups: with a 16,384-rank
+  job's 2,048 streams behind a backlog, more CPU than the ingest itself, so the backlog
+  never drained.) A parked stream does not read: gRPC flow control pushes back on its
+  agent. Nothing is dropped for being slow.
 
 An optional observer (the controller's watchdog and its metrics, chained with
 ``fan_out``) sees every valid batch's rows before they are queued; it runs ON THE LOOP
@@ -112,11 +116,55 @@ STORE_THREADS = 2
 #: the committed seqs in one query): after a controller restart thousands of agents say
 #: Hello at once, and one round each would queue them for tens of seconds.
 HELLO_ROUND_MAX = 512
-#: Longest a stream parked on a full writer queue waits before trying again, seconds
-#: (it is woken sooner by any ack; this covers a store outage, when nothing is acked).
+#: Longest the first stream parked on a full writer queue waits before trying again,
+#: seconds (it is woken sooner by any ack; this covers a store outage, when nothing is acked).
 FULL_QUEUE_RETRY_S = 0.25
+#: A parked stream further back in line wakes this often only to stay counted as heard
+#: from (``agent_timeout_s`` is 10 s), seconds.
+PARKED_HEARD_S = 1.0
 
 T = TypeVar("T")
+
+
+class ParkedStreams:
+    """Streams waiting for room in the writer's queue, in arrival order (loop thread only).
+
+    ``wake`` (called on each ack) wakes the first in line; a stream that then gets its
+    batch in calls ``wake`` again for the next; one refused again goes back to the front.
+    So a commit that frees room for N batches wakes about N streams, whatever the number
+    parked."""
+
+    def __init__(self) -> None:
+        self._line: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.woken = 0  # turns given, in all
+
+    def __len__(self) -> int:
+        """Streams in line."""
+        return sum(not f.done() for f in self._line)
+
+    def park(self, first: bool = False) -> asyncio.Future[None]:
+        """A place in line (at its front with ``first``): done when it is this one's turn."""
+        fut = asyncio.get_running_loop().create_future()
+        if first:
+            self._line.appendleft(fut)
+        else:
+            self._line.append(fut)
+        return fut
+
+    def first_is(self, fut: asyncio.Future[None]) -> bool:
+        """Whether ``fut`` is first in line."""
+        line = self._line
+        while line and line[0].done():
+            line.popleft()
+        return bool(line) and line[0] is fut
+
+    def wake(self) -> None:
+        while self._line:
+            fut = self._line.popleft()
+            if not fut.done():  # a stream that left cancelled its place
+                fut.set_result(None)
+                self.woken += 1
+                return
 
 
 @dataclass
@@ -279,7 +327,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         # threads start on first use: a servicer that never serves starts none
         self._prepare_pool = futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="fleet-ctl-prepare")
         self._store_pool = futures.ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="fleet-ctl-store")
-        self._acked: asyncio.Event | None = None   # pulsed on the loop when the writer acks
+        self._parked = ParkedStreams()   # loop only: streams waiting for room in the writer
         # Hellos waiting for the next round of store work, and whether a round is going (loop only)
         self._hellos: list[tuple[agent_pb2.Hello, AgentSession, asyncio.Future[int]]] = []
         self._hello_rounds = False
@@ -299,10 +347,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self.metrics.errors.labels(reason).inc()
         await context.abort(code, detail)
 
-    def _pulse_acked(self) -> None:
-        if self._acked is not None:
-            self._acked.set()
-            self._acked.clear()   # the waiters already woken stay woken
+    def _acked(self) -> None:
+        self._parked.wake()
 
     async def Connect(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -329,15 +375,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                                "wrong token in Hello")
 
         loop = asyncio.get_running_loop()
-        if self._acked is None:
-            self._acked = asyncio.Event()
         session = AgentSession(
             agent_id=hello.agent_id or f"agent-{hello.node_name}",
             node_name=hello.node_name,
             epoch=hello.epoch,
             local_address=hello.local_address,
             loop=loop,
-            on_wake=self._pulse_acked,
+            on_wake=self._acked,
         )
         try:
             committed = await self._committed(hello, session)
@@ -458,21 +502,36 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         if rows is not None and self._observer is not None:
             self._observe(session, rows)
         item = Item(session, batch.epoch, batch.seq, rows, events, rejected)
-        while not self.writer.put(item, timeout_s=0):
-            if session.done.is_set():
-                return False
-            # parked: this stream reads nothing more until the writer has room. The agent
-            # is not silent, the controller is slow: it still counts as heard from
-            session.last_heard = time.monotonic()
-            acked = self._acked
-            assert acked is not None
-            try:
-                await asyncio.wait_for(acked.wait(), FULL_QUEUE_RETRY_S)
-            except TimeoutError:
-                pass
+        if not self.writer.put(item, timeout_s=0) and not await self._park(session, item):
+            return False
         if rows is not None and rows.sdc and self._on_node_check is not None:
             await self._in(self._store_pool, self._node_checks, session, batch.events)
         return True
+
+    async def _park(self, session: AgentSession, item: Item) -> bool:
+        """Wait in line until the writer takes ``item``; False if the stream ended first.
+        A parked stream reads nothing more; the agent is not silent, the controller is
+        slow, so it still counts as heard from."""
+        turn = self._parked.park()
+        try:
+            while True:
+                session.last_heard = time.monotonic()
+                # the first in line tries again now and then (a store outage acks nothing);
+                # the rest only wake to be counted as heard from
+                first = self._parked.first_is(turn)
+                done, _ = await asyncio.wait((turn,), timeout=FULL_QUEUE_RETRY_S if first else PARKED_HEARD_S)
+                if session.done.is_set():
+                    return False
+                if not done and not first:
+                    continue
+                if self.writer.put(item, timeout_s=0):
+                    turn.cancel()  # out of line (when it timed out, it is still in it) ...
+                    self._parked.wake()  # ... and there may be room for the next one too
+                    return True
+                if done:
+                    turn = self._parked.park(first=True)
+        finally:
+            turn.cancel()
 
     def _node_checks(self, session: AgentSession, events: Iterable[events_pb2.Event]) -> None:
         for event in events:

@@ -24,7 +24,7 @@ import typer
 from rich.console import Group
 from rich.text import Text
 
-from fleet.controlplane.cli.common import ClusterOpt, JsonOpt, StateDirOpt, StoreOpt, open_store, state_dir_of
+from fleet.controlplane.cli.common import ClusterOpt, StateDirOpt, StoreOpt, open_store, state_dir_of
 from fleet.controlplane.cli.render import console, fmt_time, print_json, table
 from fleet.controlplane.errors import ConfigError, FleetError, NotFoundError, UnavailableError
 from fleet.controlplane.interrupts import DeferredInterrupt

@@ -210,3 +210,68 @@ def test_a_run_of_acks_is_written_as_its_highest_and_rejections_are_kept() -> No
     assert [(m.WhichOneof("msg"), m.ack.seq, m.ack.rejected, m.ack.epoch) for m in written] == [
         ("ack", 6, "", 1), ("ack", 7, "bad", 1), ("ack", 9, "", 1), ("command", 0, "", 0),
         ("ack", 10, "", 1), ("ack", 11, "", 2)]
+
+
+def test_parked_streams_take_turns_instead_of_all_waking_on_every_ack(store: Store, tmp_path: Path) -> None:
+    """Many streams parked behind a stalled writer: once it frees up, every batch is
+    stored once and acked, and the parked streams were woken about once per batch that
+    waited (the old design woke every parked stream on every ack: streams x acks)."""
+    job_id, attempt = _job(store)
+    registry = AgentRegistry()
+    servicer = AgentServicer(store, registry, TOKEN, controller_id="ctl-aio")
+    servicer.writer.close()
+    servicer.writer = IngestWriter(store, servicer.metrics, max_queued_events=2, max_group_events=1)
+    server = ControllerServer(servicer, None).start()
+    lock = sqlite3.connect(tmp_path / "fleet.db", isolation_level=None, timeout=10)
+    streams, per_stream = 40, 3
+    parked_at_peak: list[int] = []
+
+    def queued() -> float:
+        return servicer.metrics.registry.get_sample_value("fleet_ingest_queued_events") or 0.0
+
+    async def agents() -> list[list[int]]:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            calls = [_open(channel) for _ in range(streams)]
+            for i, call in enumerate(calls):
+                await call.write(_hello(i))
+                assert (await asyncio.wait_for(call.read(), 10)).WhichOneof("msg") == "welcome"
+            lock.execute("BEGIN IMMEDIATE")   # the writer's commits now wait on SQLite's lock
+            for i, call in enumerate(calls):
+                for seq in range(1, per_stream + 1):
+                    await call.write(_batch(i, seq, job_id, attempt, rank=i, step=seq))
+            deadline = time.monotonic() + 10
+            while len(servicer._parked) < streams - 3:   # all but the queued and the committing
+                assert time.monotonic() < deadline, f"only {len(servicer._parked)} streams parked"
+                await asyncio.sleep(0.02)
+            parked_at_peak.append(len(servicer._parked))
+            assert queued() == 2
+            lock.execute("ROLLBACK")
+
+            async def drain(call: grpc.aio.StreamStreamCall) -> list[int]:
+                acked: list[int] = []
+                while not acked or acked[-1] < per_stream:
+                    msg = await asyncio.wait_for(call.read(), 30)
+                    assert msg.WhichOneof("msg") == "ack" and not msg.ack.rejected, msg
+                    acked.append(msg.ack.seq)
+                await call.done_writing()
+                assert await call.code() == grpc.StatusCode.OK
+                return acked
+
+            return await asyncio.gather(*(drain(c) for c in calls))
+
+    try:
+        acks = asyncio.run(agents())
+    finally:
+        if lock.in_transaction:
+            lock.execute("ROLLBACK")
+        lock.close()
+        server.close()
+    assert all(a == sorted(set(a)) and a[-1] == per_stream for a in acks), acks
+    steps = store.steps(job_id)
+    assert sorted((s.rank, s.step) for s in steps) == [(r, q) for r in range(streams) for q in range(1, per_stream + 1)]
+    # a turn per ack, one per batch let in (room for the next?) and one per refusal after
+    # that: a few per batch; waking every parked stream on every ack would be ~streams x batches
+    batches = streams * per_stream
+    assert servicer._parked.woken <= 3 * batches, (
+        f"{servicer._parked.woken} wake-ups for {batches} batches ({parked_at_peak[0]} streams parked at the peak)")
+    assert len(servicer._parked) == 0
