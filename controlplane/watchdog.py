@@ -18,7 +18,10 @@ applies the pure decisions of ``controlplane.detectors`` to what it has seen:
   * straggler: the same rank entered each step's collectives last, by more than
     ``straggler_lag_s``, in ``straggler_steps`` consecutive steps.
   * loss_spike: a step's loss far above the median of the previous ones.
-  * agent_loss: a node of the attempt whose agent stayed silent past the agent timeout.
+  * agent_loss: a node of the attempt whose agent stayed silent past the agent timeout
+    (one this watchdog never heard from: past the timeout after the newest agent it heard
+    for the first time, so that agents still in line to be welcomed back after a
+    controller restart are not lost).
   * sdc: a triage verdict row (workers/sdc.py) of the attempt saying "transient" or
     "ambiguous": the ranks rolled back in memory and went on; the incident names the
     suspect rank and its node, the first bad step, the triage and the rollback point.
@@ -243,6 +246,8 @@ class Watchdog:
         self._watched: _Watched | None = None
         self._paused = True
         self._heard: dict[str, float] = {}    # node -> monotonic time its agent was last heard
+        self._seen: set[str] = set()          # nodes whose agent this watchdog has heard at all
+        self._newest_arrival = 0.0            # monotonic time one of them was first heard, the newest
         self._total_steps: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -539,7 +544,15 @@ class Watchdog:
             return []
         for node, seconds in silent.items():
             self._heard[node] = now - seconds
-        silence = {n: now - self._heard.get(n, w.started) for n in set(w.nodes)}
+            if node not in self._seen:
+                self._seen.add(node)
+                self._newest_arrival = now
+        # an agent this controller never heard from is silent only since the others stopped
+        # arriving: after a controller restart thousands reconnect at once and are welcomed
+        # in turn (2,048 agents: 5-21 s on 2 cores); one still in line is not lost
+        silence = {n: now - (self._heard.get(n, w.started) if n in self._seen
+                             else max(self._heard.get(n, w.started), self._newest_arrival))
+                   for n in set(w.nodes)}
         lost = detectors.agents_lost(silence, self._agent_timeout_s)
         for node in silence.keys() - set(lost):
             w.fired.discard((IncidentKind.AGENT_LOSS, node))  # heard again: re-armed

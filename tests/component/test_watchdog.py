@@ -420,6 +420,34 @@ def test_a_silent_agent_is_lost_once_until_heard_again(store: Store, job: str) -
         assert (got[2].kind, got[2].rank, got[2].node) == ("agent_loss", 0, "node-0")
 
 
+def test_an_agent_not_back_after_a_restart_is_lost_only_once_the_others_stop_arriving(store: Store, job: str) -> None:
+    """A controller that just started has heard no agent: those welcomed back in turn keep
+    the ones still in line from being lost, and one that never comes is lost a timeout
+    after the last arrival."""
+    incidents = Incidents()
+    silence = Silence({})   # no agent back yet
+    timeout_s = 3.0
+    with _watchdog(store, job, incidents, silent_for=silence, agent_timeout_s=timeout_s) as wd:
+        wd.watch(1, NODES)
+        watched = time.monotonic()
+        while time.monotonic() - watched < timeout_s / 2:
+            silence.checked()
+        silence.set(node_0=0.0)   # node-0 is welcomed back, node-1 is still in line
+        silence.checked()
+        arrived = time.monotonic()
+        assert arrived - watched < timeout_s - 0.5, "the test thread was too slow to show the arrival in time"
+        # past the timeout since the watch began (counted from there, node-1 would be lost),
+        # short of it since node-0 arrived
+        while time.monotonic() - watched < timeout_s + 0.3:
+            silence.checked()
+        assert time.monotonic() - arrived < timeout_s - 0.1
+        assert incidents.kinds() == [], "an agent still in line after a restart was called lost"
+        (inc,) = incidents.wait(1, timeout_s=5.0)   # node-1 never comes
+        lost_at = time.monotonic()
+    assert (inc.kind, inc.node) == ("agent_loss", "node-1")
+    assert lost_at - arrived >= timeout_s - 0.1, "lost before a timeout had passed since the last arrival"
+
+
 # -- through the real agent stream ------------------------------------------------------------
 
 def _server(store: Store, registry: AgentRegistry, observer) -> ControllerServer:  # noqa: ANN001
