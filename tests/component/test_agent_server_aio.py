@@ -169,7 +169,12 @@ def test_a_parked_stream_stops_reading_but_the_loop_serves_on(store: Store, tmp_
                 control_pb2.ListJobsRequest(), metadata=((TOKEN_METADATA_KEY, TOKEN),), timeout=5)
             answer_s = time.monotonic() - t
             assert [j.job_id for j in jobs.jobs] == [job_id]
-            assert queued() == 3, "the parked stream read no further batch"
+            # the queue may have been full before the writer took the first batch into its
+            # (stalled) commit: the parked stream then puts one more in at its next try
+            deadline = time.monotonic() + 10
+            while queued() != 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert queued() == 3, "the queue stays full: the parked stream read no further batch"
             lock.execute("ROLLBACK")
             released.set()
             acked = []   # an ack covers every batch up to its seq: a run of them may come as one
@@ -244,6 +249,8 @@ def test_parked_streams_take_turns_instead_of_all_waking_on_every_ack(store: Sto
                 assert time.monotonic() < deadline, f"only {len(servicer._parked)} streams parked"
                 await asyncio.sleep(0.02)
             parked_at_peak.append(len(servicer._parked))
+            while queued() != 2 and time.monotonic() < deadline:   # full (see the test above)
+                await asyncio.sleep(0.02)
             assert queued() == 2
             lock.execute("ROLLBACK")
 
