@@ -347,9 +347,6 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self.metrics.errors.labels(reason).inc()
         await context.abort(code, detail)
 
-    def _acked(self) -> None:
-        self._parked.wake()
-
     async def Connect(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> None:
@@ -381,7 +378,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             epoch=hello.epoch,
             local_address=hello.local_address,
             loop=loop,
-            on_wake=self._acked,
+            on_wake=self._parked.wake,   # an ack: the first parked stream's turn
         )
         try:
             committed = await self._committed(hello, session)
