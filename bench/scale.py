@@ -168,6 +168,7 @@ class Run:
                                       "--ranks", str(ranks), "--first", str(first), "--count", str(count),
                                       "--per-step", str(args.per_step), "--step-s", str(args.step_s),
                                       "--batch-interval-s", str(batch_interval_s(args, ranks)),
+                                      "--streams-per-connection", str(args.streams_per_connection),
                                       *(["--no-pull"] if args.no_pull else [])],
                                      folder / f"agents-{ranks}-{i}.log"))
             first += count
@@ -572,6 +573,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="128 ranks, SQLite, one hang trial (a desync trial with --desync), a small storm")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--streams-per-connection", type=int, default=16,
+                        help="agent streams sharing one TCP connection (default 16, which costs the simulated "
+                        "agents less CPU on the controller's own machine; 1: each its own, as real agents)")
     parser.add_argument("--ingest-processes", type=int, default=None,
                         help="controller.ingest_processes (default: what its auto starts: none up to 4,096 "
                         "ranks or on SQLite, else one per 8,192 ranks plus one)")

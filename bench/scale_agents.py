@@ -12,8 +12,11 @@ finished, and one ``Event(fronts=CollectiveFronts)`` with a row per (rank, group
 front moved; a heartbeat when a stream fell quiet and every ``QUIET_HEALTH_INTERVAL_S``
 (a large job's agents' policy). A ``TracePull`` is answered at once with the raw
 entries (``CollectiveColumns``) of the newest ``last`` sequence numbers of each asked
-(rank, group), consistent with the fronts sent. Streams share a few channels (one TCP
-connection per ``STREAMS_PER_CHANNEL``).
+(rank, group), consistent with the fronts sent. ``--streams-per-connection N`` streams share
+one channel (TCP connection); 1 gives each its own, as each real agent has. Sharing costs the
+simulated agents less CPU (0.43 against 0.54 CPU s/s at 16,384 ranks), but streams parked by
+the controller may then hold back the others of their connection (HTTP/2 flow control is per
+connection too).
 
 Delivery: batches stay until acked; after a reconnect (``fleet.agent.backoff``'s jittered
 delays, the real agents' policy) those above the Welcome's committed_seq are sent again in order, so
@@ -57,7 +60,6 @@ from fleet.proto.contract import (
 )
 from fleet.proto.fronts import PACKED_COLUMNS, signature
 
-STREAMS_PER_CHANNEL = 16
 HEARTBEAT_INTERVAL_S = 1.0
 RECONNECT_MAX_S = 2.0
 DEFAULT_PULL_LAST = 64
@@ -450,8 +452,9 @@ class Agents:
     """The streams of one process and their shared clock-driven state."""
 
     def __init__(self, address: str, token: str, layout: Layout, schedule: Schedule, first: int, count: int,
-                 batch_interval_s: float, answer_pulls: bool = True) -> None:
+                 batch_interval_s: float, answer_pulls: bool = True, streams_per_connection: int = 16) -> None:
         self.address = address
+        self.streams_per_connection = streams_per_connection
         self.token = token
         self.layout = layout
         self.schedule = schedule
@@ -475,7 +478,7 @@ class Agents:
         return self.connects[node % len(self.connects)]
 
     async def run(self) -> None:
-        n_channels = max(1, -(-len(self.nodes) // STREAMS_PER_CHANNEL))
+        n_channels = max(1, -(-len(self.nodes) // self.streams_per_connection))
         for i in range(n_channels):
             # a distinct argument per channel: each its own TCP connection
             # its own reconnect backoff short: the streams' jittered backoff is the policy measured
@@ -639,14 +642,18 @@ def main() -> int:
     parser.add_argument("--step-s", type=float, default=1.0)
     parser.add_argument("--batch-interval-s", type=float, default=0.5)
     parser.add_argument("--no-pull", action="store_true", help="ignore TracePulls (the fronts-only figure)")
+    parser.add_argument("--streams-per-connection", type=int, default=16)
     args = parser.parse_args()
     try:
         layout, schedule = Layout(args.ranks), Schedule(args.per_step, args.step_s)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.streams_per_connection < 1:
+        print("error: --streams-per-connection must be at least 1", file=sys.stderr)
+        return 2
     agents = Agents(args.address, args.token, layout, schedule, args.first, args.count, args.batch_interval_s,
-                    not args.no_pull)
+                    not args.no_pull, args.streams_per_connection)
     _reply({"ready": True, "pid": os.getpid()})
     asyncio.run(agents.run())
     return 0
