@@ -4,11 +4,14 @@
 
 One `fleet up` of examples/local.yaml (2 simulated nodes x 2 ranks, the tiny MoE model,
 FSDP2 + expert parallelism, in-memory snapshots, async checkpoints) with ``job.steps``
-large enough that the soak, not the job, decides when it ends. Overrides: checkpoints
-every ``--checkpoint-interval`` steps, up to 1000 restarts, everything under one work
-folder, and automatic quarantine off (``--quarantine-after 0``): the faults are drawn
+large enough that the soak, not the job, decides when it ends. Overrides: up to 1000
+restarts, everything under one work folder, and automatic quarantine off (``--quarantine-after 0``): the faults are drawn
 at random, not from bad hardware, and with two nodes and a job that needs both, one
 quarantined node would leave the job waiting ``capacity_wait_s`` (300 s) and then fail.
+Disk checkpoints come every ``--checkpoint-interval`` steps, by default the example's own
+``job.checkpoint_interval`` (50): a dead rank restores from its buddy's memory, so the
+interval no longer bounds what a fault recomputes (it did before peer copies, when the
+soak used 10).
 
 The soak clock starts at the first completed step. Every ``--fault-every`` seconds after
 that (the last one before ``--minutes`` are up) one fault, drawn from
@@ -144,12 +147,14 @@ def complete_steps(rows: Sequence, world_size: int) -> list[tuple[int, int, floa
     return sorted((a, s, v[0], v[1]) for (a, s), v in spans.items() if len(ranks[(a, s)]) >= world_size)
 
 
-def failed_until(spans: Sequence[tuple[int, int, float, float]], failed: set[int]) -> dict[int, float]:
-    """Per attempt, the end of its last complete step if it failed, else infinity."""
+def failed_until(attempts: Sequence) -> dict[int, float]:
+    """Per attempt, when it ended if it failed (Unix seconds), else infinity. An attempt
+    failed by the *next* fault ends after that fault, so its steps still count for the one
+    before it; one failed by this fault ends inside its window, and its steps do not."""
     out: dict[int, float] = defaultdict(lambda: math.inf)
-    for a, _, _, end in spans:
-        if a in failed:
-            out[a] = end if out[a] == math.inf else max(out[a], end)
+    for a in attempts:
+        if a.state.value == "FAILED":
+            out[a.number] = a.ended_at if a.ended_at is not None else a.started_at
     return out
 
 
@@ -181,6 +186,8 @@ def write_cluster(workdir: Path, args: argparse.Namespace) -> tuple[Path, dict]:
     cfg = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
     cfg["state_dir"] = str(workdir / ".fleet")
     cfg["store"] = {"url": f"sqlite:///{workdir}/.fleet/fleet.db"}
+    if args.checkpoint_interval is None:
+        args.checkpoint_interval = cfg["job"]["checkpoint_interval"]
     cfg["job"].update(steps=1_000_000, checkpoint_interval=args.checkpoint_interval, max_restarts=1000,
                       checkpoint_dir=str(workdir / "checkpoints"))
     cfg["policy"]["quarantine_after_incidents"] = args.quarantine_after
@@ -377,7 +384,7 @@ def summarize(report: dict, store_url: str, job_id: str, world_size: int, inject
         attempts = st.get_attempts(job_id)
         job = st.get_job(job_id)
     spans = complete_steps(rows, world_size)
-    lasted = failed_until(spans, {a.number for a in attempts if a.state.value == "FAILED"})
+    lasted = failed_until(attempts)
     accepted = [i for i in injections if i.at is not None]
     times = [i.at for i in accepted] + [t_stop]
     table, progress = [], []
@@ -456,7 +463,8 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="soak length from the first completed step")
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault kinds and targets")
-    parser.add_argument("--checkpoint-interval", type=int, default=10, help="steps between disk checkpoints")
+    parser.add_argument("--checkpoint-interval", type=int, default=None,
+                        help="steps between disk checkpoints (default: examples/local.yaml's)")
     parser.add_argument("--quarantine-after", type=int, default=0,
                         help="policy.quarantine_after_incidents (0 = off; see the module docstring)")
     parser.add_argument("--slow-s", type=float, default=20.0, help="how long a slow fault lasts, seconds")
