@@ -30,9 +30,15 @@ class WorkerActor:
 
     def warm(self, launch: Launch | None = None) -> bool:
         """Get ready to take a rank at once (a warm spare): import the built-in trainer
-        (torch with it), or start the interpreter ``launch``'s program will run in."""
+        (torch with it) and what torch loads lazily on first use (``shim.WARM_MODULES``,
+        at a low CPU priority: DDP's and FSDP2's first wrap import ``torch._dynamo``, 0.4-0.6 s
+        on the restart's critical path otherwise), or start the interpreter ``launch``'s
+        program will run in."""
         if launch is None:
             from fleet.workers import train  # noqa: F401
+            from fleet.workers.shim import import_warm_modules
+
+            import_warm_modules()
         else:
             self._start_process(launch)
         return True

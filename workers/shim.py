@@ -24,7 +24,7 @@ message: the rank's environment, working directory, log file and program. The sh
      an uncaught exception, whose traceback is printed to the log as Python would and
      sent to the launcher).
 
-torch is imported at a lower CPU priority (``_import_in_background``), so warming
+torch is imported at a lower CPU priority (``import_warm_modules``), so warming
 spares never slows a training rank. It dies with its launcher (``PR_SET_PDEATHSIG``): a rank never outlives the process
 fleet tracks it by. Imports nothing of the controller.
 """
@@ -184,7 +184,7 @@ def _run_program(launch: dict[str, Any]) -> None:
         runpy.run_path(launch["script"], run_name="__main__")
 
 
-def _import_in_background() -> None:
+def import_warm_modules() -> None:
     """Import torch and what training programs load lazily (``WARM_MODULES``: the first
     optimizer alone pulls in ``torch._dynamo``, about a second) at a lower CPU priority.
 
@@ -214,7 +214,7 @@ def _import_in_background() -> None:
 def main(argv: list[str]) -> int:
     _die_with_parent()
     control = socket.socket(fileno=int(argv[0]))
-    _import_in_background()
+    import_warm_modules()
     import torch
 
     from fleet.proto import events_pb2
