@@ -182,7 +182,9 @@ class _NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
 class GemmChecker:
     """Runs the node's known-answer GEMM test on request and, every ``interval_s`` (0:
-    never) while ``idle()``, on its own; ``submit``s one event per run.
+    never) while ``idle()``, on its own; ``submit``s one event per run, with ``urgent``
+    true when someone waits for it (a command: the controller's pre-flight gate before
+    every attempt's placement, a restart's too; ``run_now``).
 
     The event (``SdcCheckEvent``, kind "gemm", rank -1, step 0): ``value`` / ``expected``
     the worst element's error and bound (``gemm_check.worst``) as text, ``ok`` whether
@@ -193,7 +195,7 @@ class GemmChecker:
     ``error`` true, why in ``summary`` (and ``worst`` null)."""
 
     def __init__(self, node_name: str, size: int, interval_s: float,
-                 submit: Callable[[events_pb2.Event], None], idle: Callable[[], bool]) -> None:
+                 submit: Callable[[events_pb2.Event, bool], None], idle: Callable[[], bool]) -> None:
         self.node_name = node_name
         self._size = size
         self._interval_s = interval_s
@@ -250,7 +252,7 @@ class GemmChecker:
     def _check(self, cmd: events_pb2.Command | None, done: queue.Queue | None) -> None:
         try:
             event = self.test(cmd)
-            self._submit(events_pb2.Event(sdc=event))
+            self._submit(events_pb2.Event(sdc=event), cmd is not None or done is not None)
         except Exception:  # the checker thread must never die silently
             log.exception("%s: reporting the GEMM test failed", self.node_name)
             return
@@ -447,8 +449,9 @@ class NodeAgent:
         """True while a partition cuts this agent off from the controller."""
         return self._uplink.partitioned()
 
-    def _submit_check(self, event: events_pb2.Event) -> None:
-        self._uplink.submit([event], timeout_s=30.0)
+    def _submit_check(self, event: events_pb2.Event, urgent: bool) -> None:
+        # a command's answer leaves at once, not after batch_interval_s
+        self._uplink.submit([event], timeout_s=30.0, urgent=urgent)
 
     def check_now(self, timeout_s: float = 60.0) -> events_pb2.SdcCheckEvent:
         """Run the known-answer GEMM test now (as a ``health_check`` command would), report

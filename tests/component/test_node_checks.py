@@ -222,18 +222,21 @@ def test_an_idle_node_tests_itself(site: Site) -> None:
 def test_the_idle_test_waits_while_ranks_report() -> None:
     events: list[events_pb2.Event] = []
     idle = [False]
-    checker = GemmChecker("node-x", 16, 0.05, submit=events.append, idle=lambda: idle[0])
+    checker = GemmChecker("node-x", 16, 0.05, submit=lambda e, urgent: events.append((e, urgent)),
+                          idle=lambda: idle[0])
     checker.start()
     try:
         ran = checker.run_now(timeout_s=30)   # on demand runs whatever ranks do
         assert ran.ok and len(events) == 1
+        assert events[0][1] is True           # a command's answer: sent at once
         deadline = time.monotonic() + 0.5
         while time.monotonic() < deadline:   # ten intervals with a rank attached: no test
             assert len(events) == 1
             time.sleep(0.05)
         idle[0] = True
         _wait(lambda: len(events) > 1, what="the idle test once no rank reports")
-        assert json.loads(events[-1].sdc.detail)["trigger"] == "idle"
+        assert json.loads(events[-1][0].sdc.detail)["trigger"] == "idle"
+        assert events[-1][1] is False         # an idle run waits for the next batch
     finally:
         checker.close()
 
@@ -268,7 +271,7 @@ def test_an_older_result_changes_nothing_and_any_detail_is_judged(site: Site) ->
 
 def test_a_test_that_cannot_run_is_reported_as_an_error() -> None:
     events: list[events_pb2.Event] = []
-    checker = GemmChecker("node-x", 0, 0, submit=events.append, idle=lambda: True)  # size 0: cannot run
+    checker = GemmChecker("node-x", 0, 0, submit=lambda e, urgent: events.append(e), idle=lambda: True)  # size 0: cannot run
     checker.start()
     try:
         ev = checker.run_now(timeout_s=30)
