@@ -292,6 +292,8 @@ class AttemptRunner:
             ctrl_c.check()
             failures = group.poll(POLL_INTERVAL_S)
             if failures:
+                log.info("attempt %d: rank(s) %s failed; collecting the others' failures", attempt,
+                         sorted(f.rank for f in failures))
                 settle = time.monotonic() + (FAILURE_SETTLE_S if self._builtin else PROGRAM_SETTLE_S)
                 while not group.finished and time.monotonic() < settle:
                     failures += group.poll(0.05)
