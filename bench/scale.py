@@ -60,6 +60,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
+from bench.scale_agents import STREAMS_PER_CONNECTION  # noqa: E402
 from bench.scale_controller import TOKEN  # noqa: E402
 from bench.scale_schedule import Layout, Schedule, Trial, fault_at, p90  # noqa: E402
 
@@ -573,13 +574,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="128 ranks, SQLite, one hang trial (a desync trial with --desync), a small storm")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--streams-per-connection", type=int, default=16,
-                        help="agent streams sharing one TCP connection (default 16, which costs the simulated "
+    parser.add_argument("--streams-per-connection", type=int, default=STREAMS_PER_CONNECTION,
+                        help="agent streams sharing one TCP connection (default %(default)s, which costs the simulated "
                         "agents less CPU on the controller's own machine; 1: each its own, as real agents)")
     parser.add_argument("--ingest-processes", type=int, default=None,
                         help="controller.ingest_processes (default: what its auto starts: none up to 4,096 "
                         "ranks or on SQLite, else one per 8,192 ranks plus one)")
     args = parser.parse_args()
+    if args.streams_per_connection < 1:
+        parser.error(f"--streams-per-connection: {args.streams_per_connection} (must be at least 1)")
     if args.quick:
         args.ranks, args.store, args.trials, args.small_trials = "128", "sqlite", 1, 1
         args.warmup_s, args.trial_warmup_s, args.window_s, args.agent_procs = 3.0, 3.0, 2.0, 2

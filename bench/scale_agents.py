@@ -60,6 +60,8 @@ from fleet.proto.contract import (
 )
 from fleet.proto.fronts import PACKED_COLUMNS, signature
 
+#: Default streams per channel (TCP connection): sharing is cheaper for the simulated agents.
+STREAMS_PER_CONNECTION = 16
 HEARTBEAT_INTERVAL_S = 1.0
 RECONNECT_MAX_S = 2.0
 DEFAULT_PULL_LAST = 64
@@ -452,7 +454,8 @@ class Agents:
     """The streams of one process and their shared clock-driven state."""
 
     def __init__(self, address: str, token: str, layout: Layout, schedule: Schedule, first: int, count: int,
-                 batch_interval_s: float, answer_pulls: bool = True, streams_per_connection: int = 16) -> None:
+                 batch_interval_s: float, answer_pulls: bool = True,
+                 streams_per_connection: int = STREAMS_PER_CONNECTION) -> None:
         self.address = address
         self.streams_per_connection = streams_per_connection
         self.token = token
@@ -642,7 +645,7 @@ def main() -> int:
     parser.add_argument("--step-s", type=float, default=1.0)
     parser.add_argument("--batch-interval-s", type=float, default=0.5)
     parser.add_argument("--no-pull", action="store_true", help="ignore TracePulls (the fronts-only figure)")
-    parser.add_argument("--streams-per-connection", type=int, default=16)
+    parser.add_argument("--streams-per-connection", type=int, default=STREAMS_PER_CONNECTION)
     args = parser.parse_args()
     try:
         layout, schedule = Layout(args.ranks), Schedule(args.per_step, args.step_s)

@@ -5,9 +5,10 @@
 One `fleet up` of examples/local.yaml (2 simulated nodes x 2 ranks, the tiny MoE model,
 FSDP2 + expert parallelism, in-memory snapshots, async checkpoints) with ``job.steps``
 large enough that the soak, not the job, decides when it ends. Overrides: up to 1000
-restarts, everything under one work folder, and automatic quarantine off (``--quarantine-after 0``): the faults are drawn
-at random, not from bad hardware, and with two nodes and a job that needs both, one
-quarantined node would leave the job waiting ``capacity_wait_s`` (300 s) and then fail.
+restarts, everything under one work folder, and automatic quarantine off
+(``--quarantine-after 0``): the faults are drawn at random, not from bad hardware, and with
+two nodes and a job that needs both, one quarantined node would leave the job waiting
+``capacity_wait_s`` (300 s) and then fail.
 Disk checkpoints come every ``--checkpoint-interval`` steps, by default the example's own
 ``job.checkpoint_interval`` (50): a dead rank restores from its buddy's memory, so the
 interval no longer bounds what a fault recomputes (it did before peer copies, when the

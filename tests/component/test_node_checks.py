@@ -271,7 +271,8 @@ def test_an_older_result_changes_nothing_and_any_detail_is_judged(site: Site) ->
 
 def test_a_test_that_cannot_run_is_reported_as_an_error() -> None:
     events: list[events_pb2.Event] = []
-    checker = GemmChecker("node-x", 0, 0, submit=lambda e, urgent: events.append(e), idle=lambda: True)  # size 0: cannot run
+    # size 0: cannot run
+    checker = GemmChecker("node-x", 0, 0, submit=lambda e, urgent: events.append(e), idle=lambda: True)
     checker.start()
     try:
         ev = checker.run_now(timeout_s=30)
