@@ -244,23 +244,33 @@ class WorkerPool:
         self._in_use: list[Any] = []
         self._world = 0  # world size of the last attempt
 
-    def _new(self, node: NodeInfo) -> Any:
+    def _new(self, node: NodeInfo, background: bool = False) -> Any:
+        """A process on ``node``, warming up; ``background``: at the lowest CPU priority
+        (a spare for later, not a process an attempt waits for)."""
         actor = self._cls.options(scheduling_strategy=_pinned(node)).remote()
-        actor.warm.remote(self._warm)
+        actor.warm.remote(self._warm, background)
         return actor
 
     def fill_spares(self, nodes: list[NodeInfo]) -> None:
-        """Start warm spares on ``nodes`` up to ``spares_per_node`` each (non-blocking)."""
-        self.warm_up(nodes, self._spares_per_node)
+        """Start warm spares on ``nodes`` up to ``spares_per_node`` each (non-blocking);
+        they warm up at the idle class, on what the ranks leave idle."""
+        self._start(nodes, self._spares_per_node, background=True)
 
     def warm_up(self, nodes: list[NodeInfo], per_node: int) -> None:
         """Start idle processes on ``nodes`` up to ``per_node`` each (non-blocking): before
         a first placement, so that their start overlaps the pre-flight checks; ``acquire``
-        takes them first."""
+        takes them first. The built-in trainer's spares start with them, at the idle
+        class: they warm on the CPU time the start-up and the first steps leave idle,
+        neither delaying the first attempt nor slowing its steps."""
+        self._start(nodes, per_node, background=False)
+        if self._warm is None:
+            self._start(nodes, per_node + self._spares_per_node, background=True)
+
+    def _start(self, nodes: list[NodeInfo], per_node: int, background: bool) -> None:
         for node in nodes:
             spares = self._spares.setdefault(node.name, [])
             while len(spares) < per_node:
-                spares.append(self._new(node))
+                spares.append(self._new(node, background))
 
     def acquire(self, placement: list[NodeInfo]) -> tuple[list[Any], int]:
         """One process per rank of ``placement``; returns them and how many were reused

@@ -29,22 +29,28 @@ class WorkerActor:
         self._listen: socket.socket | None = None
         self._process = None  # the warm RankProcess of a user program
 
-    def warm(self, launch: Launch | None = None) -> bool:
+    def warm(self, launch: Launch | None = None, background: bool = False) -> bool:
         """Get ready to take a rank at once (a warm spare): import the built-in trainer
-        (torch with it) and what torch loads lazily on first use (``shim.WARM_MODULES``,
-        at a low CPU priority: DDP's and FSDP2's first wrap import ``torch._dynamo``, 0.4-0.6 s
-        on the restart's critical path otherwise), or start the interpreter ``launch``'s
-        program will run in.
+        (torch with it) and what torch loads lazily on first use (``shim.WARM_MODULES``:
+        DDP's and FSDP2's first wrap import ``torch._dynamo``, 0.4-0.6 s on the restart's
+        critical path otherwise), or start the interpreter ``launch``'s program will run in.
+
+        ``background`` (a spare, started while the job trains): all of it at the lowest CPU
+        priority (``shim.import_warm_modules``), so that warming spares takes no CPU from
+        ranks that are busy: on the 4-rank example two spares importing torch at full
+        priority slowed the first 40 steps by a third. Otherwise (the processes the next
+        attempt waits for) the trainer is imported at this process's own priority.
 
         Then everything imported so far is moved out of the garbage collector's sight
         (``gc.freeze``): modules live as long as the process, and a failing rank's
         ``gc.collect`` (``workers.train.run``) scanned them all, 0.1-0.2 s between a peer's
         death and this rank's return, on every restart's critical path."""
         if launch is None:
-            from fleet.workers import train  # noqa: F401
             from fleet.workers.shim import import_warm_modules
 
-            import_warm_modules()
+            if not background:
+                from fleet.workers import train  # noqa: F401
+            import_warm_modules(("fleet.workers.train",))
             gc.freeze()
         else:
             self._start_process(launch)
