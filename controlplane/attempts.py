@@ -65,8 +65,9 @@ FAILURE_SETTLE_S = 1.0
 #: The same for a user program: each failure carries when its process exited, so the first
 #: one is known once the failures in flight have arrived.
 PROGRAM_SETTLE_S = 0.25
-#: A program's replacement processes are started once its attempt made progress, or this
-#: long after it started: starting them at once slows the ranks' own start-up.
+#: Replacement spares are started once an attempt made progress (its first step stored),
+#: or this long after it started: a process starting at once (the Ray worker's own start at
+#: full priority, then its imports) slows the ranks' restore and first step.
 SPARES_DELAY_S = 20.0
 POLL_INTERVAL_S = 0.05
 #: How long the pre-flight GEMM tests of an attempt's nodes may take in all (an agent's
@@ -222,9 +223,9 @@ class AttemptRunner:
             t_run = time.time()
             log.info("attempt %d: %d rank(s) started %.2f s after placing began (%d warm process(es) reused)",
                      attempt, len(placement), time.monotonic() - t_place, reused)
-            spares_due = time.monotonic() + (0.0 if self._builtin else SPARES_DELAY_S)
-            if self._builtin:
-                pool.fill_spares(chosen)  # replacements warm up while this attempt starts
+            # replacements for the spares this attempt used start once it made progress:
+            # a process starting competes with the restore and first step for the CPU
+            spares_due = time.monotonic() + SPARES_DELAY_S
             self.store.set_attempt_state(job.job_id, attempt, AttemptState.RUNNING, "worker group running")
             self.store.set_job_state(job.job_id, JobState.RUNNING, f"attempt {attempt} running")
             if first:
@@ -239,8 +240,7 @@ class AttemptRunner:
                 self.firer.rearm(recovery.last_step)
 
             with DeferredInterrupt() as ctrl_c:   # Ctrl-C while watching: raised between polls
-                outcome = self._watch(group, attempt, recovery, ctrl_c,
-                                      (lambda: pool.fill_spares(chosen)) if not self._builtin else None,
+                outcome = self._watch(group, attempt, recovery, ctrl_c, lambda: pool.fill_spares(chosen),
                                       spares_due)
             recovery = None
             if outcome == "stop":
@@ -284,7 +284,8 @@ class AttemptRunner:
         ends it. Meanwhile: act on incidents that do not end it (agent loss, straggler,
         loss spike), finish timing a recovery once its first step lands, show progress,
         and ``fill_spares()`` once the attempt made progress or ``spares_due`` (monotonic)
-        passed: new processes starting would compete with its ranks' start for the CPU.
+        passed: new processes starting would compete with its ranks' start (the restore
+        and first step of a restart) for the CPU.
         A Ctrl-C noted by ``ctrl_c`` is raised at the top of the loop, between two calls."""
         job = self.job
         next_tick = next_note = 0.0
@@ -339,8 +340,11 @@ class AttemptRunner:
                     log.info("attempt %d trained past step %d: restores are no longer held to step %d",
                              attempt, self._ceiling_until, self._restore_at_most)
                     self._restore_at_most = 0
-                if fill_spares is not None and (now >= spares_due or span is not None or self.store.last_progress_ns(
-                        job.job_id, attempt, time.time_ns()) is not None):
+                # progress: the built-in trainer's first step (its restore's collectives are
+                # not yet progress); a program's first step or collective (it may not report steps)
+                if fill_spares is not None and (now >= spares_due or span is not None or (
+                        not self._builtin and self.store.last_progress_ns(
+                            job.job_id, attempt, time.time_ns()) is not None)):
                     fill_spares()
                     fill_spares = None
                 if recovery is not None and span is not None:
