@@ -243,6 +243,7 @@ class WorkerPool:
         self._survivors: dict[int, tuple[str, Any]] = {}  # rank -> (node name, actor)
         self._in_use: list[Any] = []
         self._world = 0  # world size of the last attempt
+        self._filled = False  # fill_spares ran once
 
     def _new(self, node: NodeInfo, background: bool = False) -> Any:
         """A process on ``node``, warming up; ``background``: at the lowest CPU priority
@@ -252,19 +253,20 @@ class WorkerPool:
         return actor
 
     def fill_spares(self, nodes: list[NodeInfo]) -> None:
-        """Start warm spares on ``nodes`` up to ``spares_per_node`` each (non-blocking);
-        they warm up at the idle class, on what the ranks leave idle."""
-        self._start(nodes, self._spares_per_node, background=True)
+        """Start warm spares on ``nodes`` up to ``spares_per_node`` each (non-blocking).
+
+        The first fill (the first attempt's spares) warms at full priority, to be ready for
+        an early failure; later fills replace spares a restart used and warm at the idle
+        class, on what the ranks leave idle, never competing with the attempt that
+        restarted."""
+        self._start(nodes, self._spares_per_node, background=self._filled)
+        self._filled = True
 
     def warm_up(self, nodes: list[NodeInfo], per_node: int) -> None:
         """Start idle processes on ``nodes`` up to ``per_node`` each (non-blocking): before
         a first placement, so that their start overlaps the pre-flight checks; ``acquire``
-        takes them first. The built-in trainer's spares start with them, at the idle
-        class: they warm on the CPU time the start-up and the first steps leave idle,
-        neither delaying the first attempt nor slowing its steps."""
+        takes them first."""
         self._start(nodes, per_node, background=False)
-        if self._warm is None:
-            self._start(nodes, per_node + self._spares_per_node, background=True)
 
     def _start(self, nodes: list[NodeInfo], per_node: int, background: bool) -> None:
         for node in nodes:
