@@ -35,11 +35,12 @@ class WorkerActor:
         DDP's and FSDP2's first wrap import ``torch._dynamo``, 0.4-0.6 s on the restart's
         critical path otherwise), or start the interpreter ``launch``'s program will run in.
 
-        ``background`` (a spare, started while the job trains): all of it at the lowest CPU
-        priority (``shim.import_warm_modules``), so that warming spares takes no CPU from
-        ranks that are busy: on the 4-rank example two spares importing torch at full
-        priority slowed the first 40 steps by a third. Otherwise (the processes the next
-        attempt waits for) the trainer is imported at this process's own priority.
+        ``background`` (a spare replacing one a restart used, started while the job trains):
+        all of it at the idle scheduling class (``shim.import_warm_modules``), yielding the
+        CPU to busy ranks: on the 4-rank example two spares importing torch at full priority
+        slowed the first 40 steps by up to a third. Otherwise (the processes an attempt
+        waits for, and the first attempt's spares, which an early failure needs ready) the
+        trainer is imported at this process's own priority.
 
         Then everything imported so far is moved out of the garbage collector's sight
         (``gc.freeze``): modules live as long as the process, and a failing rank's

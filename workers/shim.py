@@ -195,11 +195,12 @@ def import_warm_modules(first: tuple[str, ...] = ()) -> None:
     next spares while the new attempt starts), and the main thread, which runs the
     program, keeps the priority it was started with. ``SCHED_IDLE`` rather than nice 19
     alone: a core running only idle-class work counts as free when a rank wakes from a
-    collective's wait, so the rank gets it at once; at nice 19 the 4-rank example's first
-    100 steps were 11% slower than with idle-class spares, at full priority 23%. A spare
-    warms on the CPU time training leaves idle (collectives' waits, data loading); on a
-    node with none it finishes once a failure stops the training, which is still before
-    a cold interpreter would have imported torch."""
+    collective's wait, so the rank gets it at once. It is not free on a small machine
+    (caches, memory bandwidth): on 2 cores, 4 ranks' steps were still slower while spares
+    warmed, if less than beside full-priority imports. A spare warms on the CPU time
+    training leaves idle (collectives' waits, data loading); on a node with none it
+    finishes once a failure stops the training, which is still before a cold interpreter
+    would have imported torch."""
     def work() -> None:
         try:
             tid = threading.get_native_id()
