@@ -51,7 +51,7 @@ class WorkerActor:
 
             if not background:
                 from fleet.workers import train  # noqa: F401
-            import_warm_modules(("fleet.workers.train",))
+            import_warm_modules(("fleet.workers.train",) if background else ())
             gc.freeze()
         else:
             self._start_process(launch)
