@@ -56,10 +56,23 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
             if state:
                 continue
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = zeros_like(p)
+            state["exp_avg_sq"] = zeros_like(p)
             if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["max_exp_avg_sq"] = zeros_like(p)
+
+
+def zeros_like(t: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped and placed as ``t``. A DTensor's are built from zeros of its local
+    shard: ``torch.zeros_like`` of a DTensor goes through DTensor's sharding propagation,
+    which a fresh process (a restart's replacement rank) works out once per shape, on the
+    restore's critical path."""
+    if getattr(t, "to_local", None) is None:
+        return torch.zeros_like(t, memory_format=torch.preserve_format)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(torch.zeros_like(local(t), memory_format=torch.preserve_format), t.device_mesh,
+                              t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -6,7 +6,8 @@
   activation checkpointing per block when the recipe asks for it;
 * data and expert parallelism (workers/parallel.py: FSDP2 or DDP over all ranks,
   experts sharded over the expert-parallel group);
-* AdamW with fp32 master weights and fp32 optimizer state (FP8 copies of weights and
+* AdamW (workers/optim.py: it updates each rank's local shards) with fp32 master
+  weights and fp32 optimizer state (FP8 copies of weights and
   activations exist only inside a matmul; keeping the master copy and both Adam
   moments in fp32 is what makes FP8 training track the high-precision loss);
 * the learning-rate schedule, gradient accumulation and clipping;
@@ -51,6 +52,7 @@ from fleet.workers.failures import NonFiniteLossError, SdcError
 from fleet.workers.faults import FaultHooks
 from fleet.workers.model import Transformer
 from fleet.workers.moe import MoE
+from fleet.workers.optim import LocalAdamW
 from fleet.workers.recorder import FlightRecorder
 from fleet.workers.schedule import lr_at
 from fleet.workers.spec import WorkerSpec
@@ -134,8 +136,7 @@ class Trainer:
         self.model = parallel.parallelize(model, self.meshes, self.train.data_parallel)
         if self.train.data_parallel == "ddp" and spec.world_size > 2:
             self._settle_ddp_buckets()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay)
+        self.optimizer = LocalAdamW(self.model.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay)
         self.flops_per_token = flops.flops_per_token(self.args, self.train.seq_len)
         self.peak_flops = metrics.peak_flops(device)
         self.ckpt: checkpoint.AsyncCheckpointer | None = None
