@@ -46,9 +46,13 @@ Timing: progress is measured with the workers' own wall-clock timestamps (a step
 does not delay detection. But what has not arrived yet is unknown, so every judgement is
 made as of ``now - telemetry lag``: the lag is measured, as the most a recent batch's
 oldest new timestamp (step end, collective start; without steps also a collective's
-completion) trailed its arrival. A hang starting at T is thus reported at about
-T + threshold + lag + one interval, plus ``VERDICT_STABLE_S`` (rounded up to whole
-intervals) for the flight recorder's verdict to hold.
+completion) trailed its arrival. The flight recorder's verdict must hold for
+``VERDICT_STABLE_S`` before it counts. Its clock starts that long before the threshold:
+from then on a stall is diagnosed counting waits older than the threshold less
+``VERDICT_STABLE_S`` (``verdict_settle_s``), and a verdict that held since is acted on
+once the threshold passes, when its culprit has been missing for the threshold. A hang
+starting at T is thus reported at about T + threshold + lag + one interval (a large
+job's, whose suspects' entries are pulled, at T + threshold + lag + the pull).
 
 A large job (its agents send collective fronts, not collectives): the fronts are folded
 into ``controlplane.wavefront.Wavefronts``; while a hang is suspected, the suspects' raw
@@ -205,6 +209,22 @@ class _Watched:
     slow_comm: collective_perf.SlowCommMonitor | None = None
 
 
+def verdict_settle_s(threshold_s: float) -> float:
+    """The age a wait must have to count in a stall's diagnosis, given the hang threshold:
+    ``VERDICT_STABLE_S`` less (at least half the threshold), so that a verdict that has held
+    for ``VERDICT_STABLE_S`` names a culprit missing for the whole threshold."""
+    return max(threshold_s - VERDICT_STABLE_S, threshold_s / 2)
+
+
+def _early(stalled_s: float, threshold_s: float, horizon_ns: int) -> tuple | None:
+    """The suspect of a stall past ``verdict_settle_s`` but not yet past its threshold:
+    kind "early", which is diagnosed to start the verdict's clock and never fires. None for
+    a shorter stall."""
+    if stalled_s <= verdict_settle_s(threshold_s):
+        return None
+    return "early", stalled_s, threshold_s, horizon_ns, {}, None
+
+
 class Watchdog:
     """Live failure detection for one job (a context manager).
 
@@ -343,6 +363,8 @@ class Watchdog:
             found += self._agents(w, now)
             found += self._slow_comm(w, now)
             suspect = self._suspect(w, now_ns, now, total_steps)
+            if suspect is None:
+                w.verdict_key = ()  # a verdict's clock runs only through one stall
             if any(batch.sdc for _, batch in batches):
                 w.sdc_read_at = min(w.sdc_read_at, now + SDC_SETTLE_S)
             read_sdc = now >= min(w.sdc_read_at, w.sdc_next_poll)
@@ -592,10 +614,12 @@ class Watchdog:
             w.threshold_due = now + THRESHOLD_EVERY_S
         threshold, note = self._phase_threshold(w, w.threshold_s)
         if stalled <= threshold:
-            early = prefetch_settle_s(threshold)
-            if stalled > early and w.fronts is not None and w.fronts.rows_applied:
-                self._pull_of(w).prefetch(w.fronts, self._lock, horizon_ns, early)
-            return None
+            if w.fronts is not None and w.fronts.rows_applied:
+                early = prefetch_settle_s(threshold)
+                if stalled > early:
+                    self._pull_of(w).prefetch(w.fronts, self._lock, horizon_ns, early)
+                return None
+            return _early(stalled, threshold, horizon_ns)
         why = f"no rank finished a step for {stalled:.1f} s (hang threshold {threshold:.1f} s: {note})" \
             if note else None
         return "stall", stalled, threshold, horizon_ns, self._progress(w, now_ns), why
@@ -623,7 +647,7 @@ class Watchdog:
         learned = detectors.collective_hang_threshold_s(gaps, cfg.hang_factor, cfg.hang_floor_s)
         threshold, note = self._phase_threshold(w, learned)
         if stalled <= threshold:
-            return None
+            return _early(stalled, threshold, horizon_ns)
         why = (f"no collective entered or completed for {stalled:.1f} s, threshold {threshold:.1f} s: {note}"
                if note else detectors.collective_stall_reason(stalled, threshold, max(gaps), cfg.hang_factor))
         return "stall", stalled, threshold, horizon_ns, self._progress(w, now_ns), why
@@ -639,11 +663,14 @@ class Watchdog:
 
     def _judge_hang(self, w: _Watched, kind: str, seconds: float, threshold: float, horizon_ns: int,
                     progress: dict, why: str | None, now: float) -> list[Incident]:
-        """Diagnose (at most every interval, and never more than half the time) and decide."""
+        """Diagnose (at most every interval, and never more than half the time) and decide;
+        kind "early" (``_early``) only starts the verdict's clock."""
         cfg = self._cfg
         if now >= w.next_diagnosis:
             t = time.monotonic()
-            w.last_diagnosis = self._diagnose(w.number, threshold, horizon_ns)
+            large = w.fronts is not None and w.fronts.rows_applied
+            settle = threshold if kind == "startup" or large else verdict_settle_s(threshold)
+            w.last_diagnosis = self._diagnose(w.number, settle, horizon_ns)
             took = time.monotonic() - t
             w.next_diagnosis = time.monotonic() + max(cfg.interval_s, took)
         d = w.last_diagnosis
@@ -656,6 +683,8 @@ class Watchdog:
         key = (verdict, tuple(culprits))
         if key != w.verdict_key:
             w.verdict_key, w.verdict_since = key, now
+        if kind == "early":
+            return []
         settled = w.fronts is not None and w.fronts.rows_applied > 0
         if verdict in ("hang", "mismatch") and not settled and now - w.verdict_since < VERDICT_STABLE_S:
             return []  # judge again next interval

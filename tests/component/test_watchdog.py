@@ -24,6 +24,7 @@ from fleet.controlplane.grpc_server import ControllerServer
 from fleet.controlplane.lifecycle import JobState
 from fleet.controlplane.store import Store
 from fleet.controlplane.store.ingest import prepare
+from fleet.controlplane import watchdog as watchdog_module
 from fleet.controlplane.watchdog import MIN_COLLECTIVE_GAPS_PER_RANK, VERDICT_STABLE_S, WARMUP_GAPS_PER_RANK, Watchdog
 from fleet.proto import agent_pb2, agent_pb2_grpc, events_pb2
 from fleet.proto.fronts import unpack
@@ -168,6 +169,28 @@ def test_hang_names_the_rank_that_never_entered_the_collective(store: Store, job
         assert threshold < took <= threshold + 1.0, f"fired {took:.2f} s after the last step"
         # the same hang is reported once
         assert incidents.wait(2, timeout_s=0.5) == [inc]
+
+
+def test_the_verdicts_clock_starts_before_the_threshold(store: Store, job: str, monkeypatch) -> None:
+    """The flight recorder's verdict must hold VERDICT_STABLE_S; it starts holding
+    VERDICT_STABLE_S before the threshold, so the hang fires at the threshold, not that
+    much after it. Stretched (threshold 4 s, stability 2 s) to part the two clearly."""
+    stable_s = 2.0
+    monkeypatch.setattr(watchdog_module, "VERDICT_STABLE_S", stable_s)
+    cfg = CFG.model_copy(update={"hang_floor_s": 4.0})
+    incidents = Incidents()
+    with _watchdog(store, job, incidents, cfg) as wd:
+        wd.watch(1, NODES)
+        feed = Feed(store, wd)
+        feed.send([group_ev(job, r) for r in WORLD])
+        last_end = _healthy_steps(feed, job, range(1, 7))
+        t = time.time_ns()
+        feed.send([coll_ev(job, r, 7, 7, t, state="started") for r in (0, 2, 3)])
+        (inc,) = incidents.wait(1, timeout_s=cfg.hang_floor_s + stable_s + 5.0)
+        fired_ns, _ = incidents.got[0]
+        assert (inc.kind, inc.rank) == ("hang", 1) and "culprit rank 1" in inc.evidence
+        took = (fired_ns - last_end) / 1e9
+        assert cfg.hang_floor_s < took < cfg.hang_floor_s + stable_s / 2, f"fired {took:.2f} s after the last step"
 
 
 def test_a_paused_watchdog_fires_nothing_and_watch_rearms(store: Store, job: str) -> None:
