@@ -83,6 +83,7 @@ def _both(rank: int, world_size: int, port: int) -> dict:
                                      next(fully_shard(_model()).parameters()).to_local()),
             "state": local_state(local_opt), "ref_state": local_state(ref_opt),
             "local_props": local_props, "ref_props": ref_props,
+            "foreach": [g["foreach"] for g in local_opt.param_groups],
         }
     finally:
         propagator.propagate_op_sharding_non_cached = real
@@ -101,6 +102,7 @@ def test_local_adamw_steps_fsdp_shards_to_torchs_bits_without_sharding_propagati
         # torch's AdamW works shardings out (so the probe sees them); the local one never does
         assert got["ref_props"] > 0
         assert got["local_props"] == 0
+        assert got["foreach"] == [False]  # torch's choice for DTensors, kept for the shards
 
 
 def test_on_plain_tensors_it_is_torchs_adamw():
@@ -112,3 +114,4 @@ def test_on_plain_tensors_it_is_torchs_adamw():
     _train(b, opt_b, 0)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     assert opt_a.state_dict()["state"].keys() == opt_b.state_dict()["state"].keys()
+    assert opt_a.param_groups[0]["foreach"] is None  # torch's own choice for plain tensors
