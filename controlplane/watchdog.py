@@ -666,9 +666,9 @@ class Watchdog:
         """Diagnose (at most every interval, and never more than half the time) and decide;
         kind "early" (``_early``) only starts the verdict's clock."""
         cfg = self._cfg
+        large = w.fronts is not None and w.fronts.rows_applied > 0
         if now >= w.next_diagnosis:
             t = time.monotonic()
-            large = w.fronts is not None and w.fronts.rows_applied
             settle = threshold if kind == "startup" or large else verdict_settle_s(threshold)
             w.last_diagnosis = self._diagnose(w.number, settle, horizon_ns)
             took = time.monotonic() - t
@@ -685,8 +685,7 @@ class Watchdog:
             w.verdict_key, w.verdict_since = key, now
         if kind == "early":
             return []
-        settled = w.fronts is not None and w.fronts.rows_applied > 0
-        if verdict in ("hang", "mismatch") and not settled and now - w.verdict_since < VERDICT_STABLE_S:
+        if verdict in ("hang", "mismatch") and not large and now - w.verdict_since < VERDICT_STABLE_S:
             return []  # judge again next interval
         with self._lock:
             if kind == "startup":

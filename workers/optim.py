@@ -13,24 +13,23 @@ AdamW's update is elementwise, so a rank can apply it to its local shards direct
 update the local tensors behind them. The arithmetic is the same operation on the same
 values (one tensor at a time, as torch does for DTensors, also where it would run its
 foreach kernels on plain GPU tensors), so the result is bit for bit what the DTensor path
-computes; the optimizer's
-state stays keyed by the DTensor parameters and holds DTensor moments, so its
-``state_dict``, checkpoints and in-memory snapshots are unchanged. Plain tensors (DDP)
-pass through untouched.
+computes. The optimizer's state stays keyed by the DTensor parameters and holds DTensor
+moments, so its ``state_dict``, checkpoints and in-memory snapshots are unchanged. Plain
+tensors (DDP) pass through untouched.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fleet.workers.snapshot import local
+from fleet.workers.snapshot import local, sharded
 
 
 class LocalAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose update runs on each tensor's local shard."""
 
     def _init_group(self, group, *lists):  # noqa: ANN001, ANN002, ANN202 - torch's own signature
-        if group["foreach"] is None and group["fused"] is None and any(_sharded(p) for p in group["params"]):
+        if group["foreach"] is None and group["fused"] is None and any(sharded(p) for p in group["params"]):
             # torch runs its one-tensor-at-a-time update for DTensor parameters (not a type its
             # foreach kernels take) and its foreach one for plain CUDA tensors: the shards keep
             # the DTensors' choice, and so their bits, on every device (set here, every step:
@@ -42,7 +41,3 @@ class LocalAdamW(torch.optim.AdamW):
             if isinstance(found, list):
                 found[:] = [local(t) for t in found]
         return has_complex
-
-
-def _sharded(t: torch.Tensor) -> bool:
-    return getattr(t, "to_local", None) is not None

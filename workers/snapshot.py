@@ -40,10 +40,14 @@ from torch import nn
 KEEP = 2
 
 
+def sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (duck-typed: torch.distributed.tensor is not imported)."""
+    return getattr(t, "to_local", None) is not None
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard, or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    return t.to_local() if sharded(t) else t
 
 
 def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
@@ -67,7 +71,7 @@ def zeros_like(t: torch.Tensor) -> torch.Tensor:
     shard: ``torch.zeros_like`` of a DTensor goes through DTensor's sharding propagation,
     which a fresh process (a restart's replacement rank) works out once per shape, on the
     restore's critical path."""
-    if getattr(t, "to_local", None) is None:
+    if not sharded(t):
         return torch.zeros_like(t, memory_format=torch.preserve_format)
     from torch.distributed.tensor import DTensor
 

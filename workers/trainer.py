@@ -7,9 +7,9 @@
 * data and expert parallelism (workers/parallel.py: FSDP2 or DDP over all ranks,
   experts sharded over the expert-parallel group);
 * AdamW (workers/optim.py: it updates each rank's local shards) with fp32 master
-  weights and fp32 optimizer state (FP8 copies of weights and
-  activations exist only inside a matmul; keeping the master copy and both Adam
-  moments in fp32 is what makes FP8 training track the high-precision loss);
+  weights and fp32 optimizer state (FP8 copies of weights and activations exist only
+  inside a matmul; keeping the master copy and both Adam moments in fp32 is what makes
+  FP8 training track the high-precision loss);
 * the learning-rate schedule, gradient accumulation and clipping;
 * checkpoints (workers/checkpoint.py), asynchronous by default.
 

@@ -148,16 +148,22 @@ def _healthy_steps(feed: Feed, job: str, steps: range, pace_s: float = 0.1) -> i
 
 # -- (a) hang ---------------------------------------------------------------------------------
 
+def _rank_1_hangs_at_step_7(store: Store, job: str, wd: Watchdog) -> int:
+    """Six healthy steps, then ranks 0, 2 and 3 enter all_gather 7 and wait while rank 1
+    hangs before it; returns the end of step 6 (wall ns)."""
+    wd.watch(1, NODES)
+    feed = Feed(store, wd)
+    feed.send([group_ev(job, r) for r in WORLD])
+    last_end = _healthy_steps(feed, job, range(1, 7))
+    t = time.time_ns()
+    feed.send([coll_ev(job, r, 7, 7, t, state="started") for r in (0, 2, 3)])
+    return last_end
+
+
 def test_hang_names_the_rank_that_never_entered_the_collective(store: Store, job: str) -> None:
     incidents = Incidents()
     with _watchdog(store, job, incidents) as wd:
-        wd.watch(1, NODES)
-        feed = Feed(store, wd)
-        feed.send([group_ev(job, r) for r in WORLD])
-        last_end = _healthy_steps(feed, job, range(1, 7))
-        # step 7: ranks 0, 2 and 3 enter all_gather 7 and wait; rank 1 hangs before it
-        t = time.time_ns()
-        feed.send([coll_ev(job, r, 7, 7, t, state="started") for r in (0, 2, 3)])
+        last_end = _rank_1_hangs_at_step_7(store, job, wd)
         threshold = CFG.hang_floor_s  # 3 x a ~0.1 s median is below the floor
         got = incidents.wait(1, timeout_s=threshold + 5.0)
         assert len(got) == 1, "no hang detected"
@@ -180,12 +186,7 @@ def test_the_verdicts_clock_starts_before_the_threshold(store: Store, job: str, 
     cfg = CFG.model_copy(update={"hang_floor_s": 4.0})
     incidents = Incidents()
     with _watchdog(store, job, incidents, cfg) as wd:
-        wd.watch(1, NODES)
-        feed = Feed(store, wd)
-        feed.send([group_ev(job, r) for r in WORLD])
-        last_end = _healthy_steps(feed, job, range(1, 7))
-        t = time.time_ns()
-        feed.send([coll_ev(job, r, 7, 7, t, state="started") for r in (0, 2, 3)])
+        last_end = _rank_1_hangs_at_step_7(store, job, wd)
         (inc,) = incidents.wait(1, timeout_s=cfg.hang_floor_s + stable_s + 5.0)
         fired_ns, _ = incidents.got[0]
         assert (inc.kind, inc.rank) == ("hang", 1) and "culprit rank 1" in inc.evidence
